@@ -1,0 +1,350 @@
+"""The block-diffusion drafter in the DFlash layout (arXiv 2602.06036).
+
+A few Qwen3-style layers with no embedding or LM head of their own. Inputs are the target's
+embeddings of a block [root, MASK × (B−1)]; outputs go through the target's LM head. Conditioning:
+the hidden states of k target layers, concatenated ([·, k·h]), projected by ``fc`` to h and
+normalised by ``hidden_norm``; in every layer they supply extra keys/values placed in front of the
+block's own, and the block attends to all of them without a causal mask. One forward returns the
+B−1 position-wise marginals q_1..q_{B−1}.
+
+The context keys/values of each layer depend only on the committed tokens, so they are cached
+(:class:`DrafterCache`) and extended by the newly committed tokens each round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` target layer ids spread evenly over [1, L − 3] (the DFlash default)."""
+    if count == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, max(1, num_target_layers - 3)
+    return [int(round(lo + i * (hi - lo) / (count - 1))) for i in range(count)]
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters of a DFlash drafter; serialised in the published config.json layout."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    extra: dict = field(default_factory=dict)
+
+    def to_hf_dict(self) -> dict:
+        """The config.json of published DFlash checkpoints (a Qwen3 config plus dflash keys)."""
+        d = dict(self.extra)
+        d.update(
+            architectures=["DFlashDraftModel"], model_type="qwen3",
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, block_size=self.block_size,
+            num_target_layers=self.num_target_layers, hidden_act="silu", attention_bias=False,
+            tie_word_embeddings=False,
+            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+        )
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+        try:
+            dflash = d.get("dflash_config") or {}
+            n_layers = int(d["num_hidden_layers"])
+            n_target = int(d["num_target_layers"])
+            ids = dflash.get("target_layer_ids") or spread_layer_ids(n_target, n_layers)
+            rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+            known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
+                     "max_position_embeddings", "block_size", "num_target_layers", "dflash_config"}
+            return cls(
+                hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=n_layers, num_attention_heads=int(d["num_attention_heads"]),
+                num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+                head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
+                vocab_size=int(d["vocab_size"]), target_layer_ids=[int(i) for i in ids],
+                mask_token_id=int(dflash["mask_token_id"]) if "mask_token_id" in dflash else int(d["mask_token_id"]),
+                num_target_layers=n_target, block_size=int(d.get("block_size", 16)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
+                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                extra={k: v for k, v in d.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"drafter config is missing or has a bad field: {exc}") from None
+
+    def qwen3(self) -> Qwen3Config:
+        return Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, x [b, heads, s, d], cos/sin [b, s, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend (non-causally) to [context keys ; block keys]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_q, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_q * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_q * d, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def context_kv(self, ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [b, n_kv, s, d] of normalised context features ctx [b, s, h]."""
+        return self._kv(ctx, cos, sin)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        """x [b, q, h] block hidden states; ctx_k/ctx_v [b, n_kv, c, d]; mask [b, 1, q, c + q] or None."""
+        b, q, _ = x.shape
+        qh = self.q_norm(self.q_proj(x).view(b, q, self.n_q, self.head_dim)).transpose(1, 2)
+        qh = _rotate(qh, cos, sin)
+        k, v = self._kv(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.n_q != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = Qwen3MLP(cfg.qwen3())
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer context keys/values [1, n_kv, c, d] of the committed tokens before the root."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters named as in published DFlash checkpoints: layers.{i}.…, norm, fc, hidden_norm."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(cfg.qwen3())
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def _cos_sin(self, x: torch.Tensor, pos: torch.Tensor):
+        cos, sin = self.rotary(x, pos)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) of target features [b, c, k·h] at positions [b, c]."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self._cos_sin(ctx, positions)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+               ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [b, q, h] (after the final norm) of block embeddings [b, q, h].
+
+        ``mask`` [b, 1, q, c + q] lets training pack several blocks of one sequence into a batch row;
+        inference passes None (one block, everything visible).
+        """
+        x = block_embeds
+        cos, sin = self._cos_sin(x, positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    # ----------------------------------------------------------------- inference
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache([], [])
+
+    @torch.inference_mode()
+    def extend_cache(self, cache: DrafterCache, features: torch.Tensor) -> None:
+        """Append newly committed tokens' target features [m, k·h] to the context cache."""
+        if features is None or features.shape[0] == 0:
+            return
+        start = cache.length
+        pos = torch.arange(start, start + features.shape[0], device=features.device)[None]
+        kv = self.context_kv(features[None].to(self.fc.weight.dtype), pos)
+        if not cache.keys:
+            cache.keys = [k for k, _ in kv]
+            cache.values = [v for _, v in kv]
+        else:
+            cache.keys = [torch.cat([a, k], dim=2) for a, (k, _) in zip(cache.keys, kv)]
+            cache.values = [torch.cat([a, v], dim=2) for a, (_, v) in zip(cache.values, kv)]
+
+    @torch.inference_mode()
+    def draft(self, cache: DrafterCache, root_token: int, embed, lm_head) -> torch.Tensor:
+        """Log-probabilities [B−1, V] of depths 1..B−1 for the block [root, MASK × (B−1)].
+
+        The root sits at position cache.length (its context is everything before it).
+        """
+        device = self.fc.weight.device
+        ids = torch.full((1, self.block_size), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = root_token
+        emb = embed(ids)
+        x = emb.to(self.fc.weight.dtype)
+        pos = torch.arange(cache.length, cache.length + self.block_size, device=device)[None]
+        if cache.keys:
+            ctx_kv = list(zip(cache.keys, cache.values))
+        else:  # a one-token prompt: no context yet
+            empty = x.new_zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+            ctx_kv = [(empty, empty)] * len(self.layers)
+        hidden = self.blocks(x, pos, ctx_kv)
+        return torch.log_softmax(lm_head(hidden[0, 1:].to(emb.dtype)).float(), dim=-1)
+
+
+# --------------------------------------------------------------------------- save / load
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors (DFlash layout); written to a temp folder, then renamed."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".drafter-", dir=folder.parent))
+    try:
+        state = {k: (v.to(dtype) if dtype else v).contiguous().cpu()
+                 for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_drafter_folder(name_or_path, local_files_only: bool = False):
+    """A local folder as is; otherwise a hub repo id fetched with huggingface_hub (network needed)."""
+    from pathlib import Path
+
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if local_files_only or "/" not in str(name_or_path) or str(name_or_path).startswith((".", "/")):
+        raise FileNotFoundError(f"drafter folder {name_or_path} does not exist")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+
+
+def check_compatible(cfg: DrafterConfig, target_hidden: int, target_vocab: int, target_layers: int) -> None:
+    """Raise ValueError naming the first mismatch between a drafter config and its target."""
+    if cfg.hidden_size != target_hidden:
+        raise ValueError(f"drafter hidden_size {cfg.hidden_size} != target hidden size {target_hidden}")
+    if cfg.vocab_size != target_vocab:
+        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != target vocabulary {target_vocab}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {bad} out of range for a {target_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < target_vocab:
+        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} outside the vocabulary ({target_vocab})")
+    if cfg.block_size < 2:
+        raise ValueError(f"drafter block_size {cfg.block_size} must be at least 2")
+
+
+def load_drafter(name_or_path, target_hidden: int, target_vocab: int, target_layers: int,
+                 dtype: torch.dtype = torch.float32, device="cpu", local_files_only: bool = False) -> DFlashDrafter:
+    """Load a DFlash-layout folder (or hub id), checking it against the target before any weights move."""
+    import json
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = resolve_drafter_folder(name_or_path, local_files_only)
+    cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"drafter folder {folder} has no {p.name}")
+    try:
+        cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+    check_compatible(cfg, target_hidden, target_vocab, target_layers)
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{w_path} is not a readable safetensors file: {exc}") from None
+    # Some exports prefix every name with "model."; the layout is otherwise the same.
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    drafter = DFlashDrafter(cfg)
+    expected = {k for k in drafter.state_dict() if not k.startswith("rotary.")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{w_path} does not match its config: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    for k, v in state.items():
+        ref = drafter.state_dict()[k]
+        if tuple(v.shape) != tuple(ref.shape):
+            raise ValueError(f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies {tuple(ref.shape)}")
+    drafter.load_state_dict(state, strict=False)
+    return drafter.to(device=device, dtype=dtype).eval()

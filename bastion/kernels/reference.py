@@ -1,0 +1,133 @@
+"""Pure-torch references for the verification kernels (and the CPU backend).
+
+Three operations touch every tree node during verification:
+
+* ``node_choice``: one token per node from the target's logits, either the argmax (T = 0) or an
+  exact sample from softmax(logits / T) restricted to the top-k / top-p set. Sampling uses the
+  Gumbel-max trick with a *counter-based* random stream: the uniform variate of (node i, token v)
+  is ``u = hash(seed, offset + i, v)``, so the Triton kernel and this reference draw the very same
+  sample from the same (seed, offset) without materialising noise in memory on the GPU.
+* ``tree_walk``: from the root, follow the child whose token equals the target's choice at the
+  current node; the nodes walked are accepted, the choice at the last one is the bonus token.
+* ``tree_mask``: the additive float attention mask (cache prefix + ancestors) and position ids.
+
+The top-k / top-p restriction is a pre-pass (:func:`filter_thresholds`) shared by both backends:
+it turns the restriction into one logit threshold per node, and a token is allowed iff its logit
+is >= the threshold. (Tokens tied with the last kept token are kept too; ties of float logits are
+measure-zero events for a trained model.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 'lowbias32' integer hash on uint32 values held in int64 tensors."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None) -> torch.Tensor:
+    """Uniform variates u in (0, 1), float32 [n, vocab]: u[i, v] = hash(seed, offset + i, v).
+
+    24 random bits per variate; (h + 0.5) / 2^24 keeps u strictly inside (0, 1).
+    """
+    rows = torch.arange(offset, offset + n, device=device, dtype=torch.int64)
+    cols = torch.arange(vocab, device=device, dtype=torch.int64)
+    key = _mix32(_mix32(rows ^ (seed & _MASK32)) + ((seed >> 32) & _MASK32))
+    h = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9)[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor | None:
+    """Per-node logit thresholds for top-k / top-p, float32 [n], or None when neither applies.
+
+    top-k keeps the k largest logits; top-p keeps the smallest prefix of the sorted distribution
+    whose probability mass reaches p (the token that crosses p is kept). Both are applied at the
+    (already tempered) logits, so callers pass logits / T.
+    """
+    use_k = top_k is not None and 0 < top_k < logits.shape[-1]
+    use_p = top_p is not None and top_p < 1.0
+    if not (use_k or use_p):
+        return None
+    x = logits.float()
+    if use_p:
+        sorted_logits, _ = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep = mass_before < top_p  # the first token always kept
+        if use_k:
+            keep[:, top_k:] = False
+        last = keep.sum(dim=-1) - 1
+        return sorted_logits.gather(1, last[:, None]).squeeze(1)
+    return torch.topk(x, top_k, dim=-1).values[:, -1]
+
+
+def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
+                      seed: int = 0, offset: int = 0) -> torch.Tensor:
+    """One token per node, int64 [n].
+
+    Args:
+        logits: [n, V] target logits (any float dtype; computed in float32).
+        temperature: 0 for argmax, > 0 for an exact sample from softmax(logits / T).
+        thresholds: optional [n] float32 tempered-logit thresholds from :func:`filter_thresholds`.
+        seed, offset: the random stream; row i uses counter offset + i.
+    """
+    x = logits.float()
+    if temperature <= 0.0:
+        return torch.argmax(x, dim=-1)
+    x = x / temperature
+    if thresholds is not None:
+        x = x.masked_fill(x < thresholds[:, None], float("-inf"))
+    u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device)
+    gumbel = -torch.log(-torch.log(u))
+    return torch.argmax(x + gumbel, dim=-1)
+
+
+def tree_walk_torch(parents: list[int], tokens: list[int], choices: torch.Tensor | list[int]) -> tuple[list[int], int]:
+    """Accepted node indices (root first) and the bonus token.
+
+    Siblings carry distinct tokens, so at most one child can match the choice at a node.
+    """
+    if isinstance(choices, torch.Tensor):
+        choices = choices.tolist()
+    child_by_token: dict[tuple[int, int], int] = {}
+    for i in range(1, len(parents)):
+        child_by_token[(parents[i], tokens[i])] = i
+    path = [0]
+    node = 0
+    while True:
+        nxt = child_by_token.get((node, choices[node]))
+        if nxt is None:
+            return path, int(choices[node])
+        path.append(nxt)
+        node = nxt
+
+
+def tree_mask_torch(parents: list[int], prefix_len: int, dtype: torch.dtype = torch.float32,
+                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive mask [1, 1, n, prefix_len + n] and position ids [1, n] for a tree forward.
+
+    mask[i, j] = 0 if j < prefix_len (cached context) or tree node j - prefix_len is node i or
+    one of its ancestors; the dtype's minimum otherwise. position id of node i = prefix_len + depth.
+    """
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+            depth[i] = depth[p] + 1
+        anc[i, i] = True
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype)
+    mask[:, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+    pos = torch.tensor(depth, dtype=torch.long) + prefix_len
+    return mask[None, None].to(device), pos[None].to(device)

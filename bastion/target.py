@@ -1,0 +1,158 @@
+"""The target model: a thin wrapper around any transformers causal LM (Llama, Qwen3, ...).
+
+This is the only module that touches KV-cache internals. State between calls: the KV cache of
+the committed tokens *except the root* (the root is verified as node 0 of the next tree).
+Hidden states of the drafter's chosen layers are captured with forward hooks, so only those
+layers are kept, never the whole stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+
+@dataclass
+class TargetOutput:
+    """logits: [n, V] float (None for a prefill); features: [n, k·h] captured hidden states of the
+    k feature layers concatenated (None when no feature layer is selected)."""
+
+    logits: torch.Tensor | None
+    features: torch.Tensor | None
+
+
+class Target:
+    """Prefill, tree forward with a 4-D additive mask, and cache compaction on an HF causal LM."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.cache: DynamicCache | None = None
+        self._feature_layers: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        local_files_only: bool = False) -> "Target":
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
+        return cls(model.to(device), tok)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    # ----------------------------------------------------------------- feature capture
+    def _decoder_layers(self):
+        return self.model.get_decoder().layers
+
+    def set_feature_layers(self, layer_ids: list[int]) -> None:
+        """Capture the outputs of these decoder layers (0-based) in every forward."""
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} out of range for a {self.num_layers}-layer target")
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._feature_layers = list(layer_ids)
+        layers = self._decoder_layers()
+        for i in self._feature_layers:
+            self._hooks.append(layers[i].register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def _collect_features(self) -> torch.Tensor | None:
+        if not self._feature_layers:
+            return None
+        feats = torch.cat([self._captured[i] for i in self._feature_layers], dim=-1)
+        self._captured.clear()
+        return feats[0]
+
+    # ----------------------------------------------------------------- forwards
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> TargetOutput:
+        """Run ids [m] (the committed tokens before the root) into a fresh cache; no logits."""
+        self.reset()
+        if ids.numel() == 0:
+            return TargetOutput(None, None)
+        pos = torch.arange(ids.numel(), device=self.device)[None]
+        # Only the cache and the captured features matter here: call the decoder, skip the LM head.
+        self.model.get_decoder()(input_ids=ids[None].to(self.device), position_ids=pos,
+                                 past_key_values=self.cache, use_cache=True)
+        return TargetOutput(None, self._collect_features())
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> TargetOutput:
+        """One forward over n tree nodes appended after the cache.
+
+        Args:
+            tokens: [n] node tokens in pop order (node 0 = root).
+            mask: [1, 1, n, cache_len + n] additive float mask in the model's dtype.
+            position_ids: [1, n] = cache_len + depth.
+        Returns logits [n, V] and features [n, k·h]; the cache grows by n rows until commit().
+        """
+        out = self.model(input_ids=tokens[None].to(self.device), attention_mask=mask,
+                         position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+        return TargetOutput(out.logits[0], self._collect_features())
+
+    def commit(self, prefix_len: int, accepted: list[int]) -> None:
+        """Keep cache rows [0, prefix_len) plus the tree rows of the accepted nodes, drop the rest.
+
+        ``accepted`` are node indices (root first, increasing). When they are 0..k-1 the kept rows
+        are already contiguous and a crop suffices; otherwise gather then crop.
+        """
+        total = self.cache_len
+        keep = prefix_len + len(accepted)
+        if accepted != list(range(len(accepted))):
+            idx = torch.tensor(accepted, device=self.device) + prefix_len
+            for layer in self.cache.layers:
+                layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, idx)
+                layer.values[:, :, prefix_len:keep] = layer.values.index_select(2, idx)
+        if total > keep:
+            self.cache.crop(keep - total)  # transformers 5: a negative count of rows to drop
+
+
+def load_tokenizer(path: str | Path, local_files_only: bool = False):
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)

@@ -1,0 +1,28 @@
+"""Shared test setup: markers, and Triton's interpreter on machines without a GPU.
+
+TRITON_INTERPRET must be set before anything imports triton, so it is set here, at the top of the
+first module pytest loads; the library itself never reads environment variables.
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
