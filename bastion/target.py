@@ -137,6 +137,16 @@ class Target:
                          position_ids=position_ids, past_key_values=self.cache, use_cache=True)
         return TargetOutput(out.logits[0], self._collect_features())
 
+    @torch.inference_mode()
+    def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Feature-layer hidden states [b, L, k·h] of padded sequences ids [b, L] (no cache; training data)."""
+        with torch.inference_mode():
+            self.model.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+            feats = torch.cat([self._captured[i] for i in self._feature_layers], dim=-1)
+        self._captured.clear()
+        return feats
+
+    @torch.inference_mode()
     def commit(self, prefix_len: int, accepted: list[int]) -> None:
         """Keep cache rows [0, prefix_len) plus the tree rows of the accepted nodes, drop the rest.
 

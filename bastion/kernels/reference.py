@@ -63,7 +63,8 @@ def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | No
         sorted_logits, _ = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep = mass_before < top_p  # the first token always kept
+        keep = mass_before < top_p
+        keep[:, 0] = True  # the first token is always kept (also when top_p <= 0)
         if use_k:
             keep[:, top_k:] = False
         last = keep.sum(dim=-1) - 1

@@ -1,0 +1,125 @@
+"""Command line: ``python -m bastion generate ...`` and ``python -m bastion bench ...``.
+
+Bad input gets one line on stderr and exit code 2, before any model is loaded where possible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .engine import STRATEGIES, GenerationConfig
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported in one line, exit code 2."""
+
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--strategy", default="bastion", help="|".join(STRATEGIES))
+    g.add_argument("--budget", type=int, default=32, help="draft nodes for --strategy fixed")
+    g.add_argument("--max-nodes", type=int, default=128, help="cap on draft nodes for bastion")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
+    g.add_argument("--drafter", default=None, help="DFlash drafter folder or hub id (default: the shipped one)")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default=None)
+    g.add_argument("--kernels", default="auto", help="auto|torch|triton")
+    g.add_argument("--trace", type=Path, default=None, help="write one JSON step record per line")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
+
+def run_generate(a) -> int:
+    from .kernels import BACKENDS
+    from .loading import DTYPES
+
+    cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not a.prompt.strip():
+        raise UsageError("the prompt is empty")
+    if a.dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if a.kernels not in BACKENDS:
+        raise UsageError(f"unknown kernel backend {a.kernels!r}; choose one of {', '.join(BACKENDS)}")
+    if a.trace is not None and not a.trace.parent.exists():
+        raise UsageError(f"trace folder {a.trace.parent} does not exist")
+
+    from .engine import Engine
+    from .loading import encode_prompt, load_default_drafter, load_target
+
+    log = (lambda *x: print(*x, file=sys.stderr))
+    try:
+        target = load_target(a.model, DTYPES[a.dtype], a.device, progress=log)
+        drafter = load_default_drafter(target, a.drafter, a.model)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load: {exc}") from None
+    if drafter is None and cfg.strategy != "ar":
+        raise UsageError(f"strategy {cfg.strategy!r} needs a drafter: pass --drafter (or use --strategy ar)")
+    try:
+        ids = encode_prompt(target.tokenizer, a.prompt, a.raw)
+        engine = Engine(target, drafter, kernels=a.kernels)
+        if len(ids) >= target.max_positions:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {target.max_positions}")
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
+
+    steps = []
+    for step in engine.generate(ids, cfg):
+        steps.append(step)
+        if not a.json:
+            print("".join(step.token_texts), end="", flush=True)
+    result = engine.summarize(steps, len(ids))
+    if a.trace is not None:
+        fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=a.trace.parent)
+        with os.fdopen(fd, "w") as fh:
+            for s in steps:
+                fh.write(json.dumps(s.to_dict()) + "\n")
+        os.replace(tmp, a.trace)
+    if a.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"\n\n[{result.strategy}] {len(result.token_ids)} tokens in {result.steps} rounds, "
+              f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tok/s, decode {result.decode_s:.2f} s "
+              f"({result.finish_reason})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bastion", description="Bastion: budget-aware tree speculative decoding")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _generate_parser(sub)
+    try:
+        from .bench import add_parser as add_bench, run_bench
+        add_bench(sub)
+    except ImportError:
+        run_bench = None
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "generate":
+            return run_generate(a)
+        return run_bench(a)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

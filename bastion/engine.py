@@ -1,0 +1,302 @@
+"""The round loop: one generator serves every strategy (ar, chain, fixed, bastion).
+
+Each round: draft → build → verify → accept → commit (DESIGN.md section 2). ``generate`` yields a
+:class:`Step` per round; :meth:`Engine.run` drains it into a :class:`GenerationResult`. Because the
+baselines differ only in how the tree is built, every other line (and its cost) is shared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafter import DFlashDrafter
+from .expansion import BudgetRule, Decision, Expansion, best_first_tree, chain_tree
+from .kernels import get_kernels
+from .latency import LatencyModel, ModelSpec, hardware_for
+from .target import Target
+from .tree import DraftTree
+from .verify import SamplingParams, accept
+
+STRATEGIES = ("ar", "chain", "fixed", "bastion")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how. ``budget`` (draft nodes, root excluded) is used by 'fixed';
+    'bastion' grows up to ``max_nodes`` draft nodes and stops by the throughput rule."""
+
+    strategy: str = "bastion"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+    budget: int = 32
+    max_nodes: int = 128
+    min_nodes: int = 0
+    lookahead: int = 8
+
+    def validate(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        self.sampling.validate()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@dataclass
+class StageTimes:
+    """Seconds spent in each stage of a round."""
+
+    draft: float = 0.0
+    build: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0  # accept + cache compaction + drafter context update
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.build + self.verify + self.commit
+
+
+@dataclass
+class Step:
+    """Everything a viewer needs about one round. Serialises to JSON with ``to_dict``."""
+
+    index: int
+    strategy: str
+    tree: DraftTree
+    trace: list[Decision]
+    stop_reason: str
+    accepted: list[int]          # node indices, root first
+    choices: list[int]           # the target's choice at each node
+    tokens: list[int]            # tokens committed this round (accepted drafts + bonus)
+    token_texts: list[str]
+    bonus: int
+    expected_tokens: float       # S_n of the verified tree
+    predicted_verify_s: float
+    measured_verify_s: float
+    round_overhead_s: float      # T_d + T_o the decisions used
+    times: StageTimes
+    context_len: int             # committed tokens before this round (prompt included)
+    generated: int               # tokens generated so far, this round included
+    elapsed_s: float             # decode time so far (prefill excluded)
+    prefill_s: float = 0.0       # time of the prompt's prefill (same in every step of a run)
+    finished: bool = False
+    finish_reason: str = ""
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
+                                            "token_texts", "bonus", "context_len", "generated", "finished",
+                                            "finish_reason")}
+        d.update(tree=self.tree.to_dict(), trace=[x.to_dict() for x in self.trace],
+                 expected_tokens=round(self.expected_tokens, 6),
+                 predicted_verify_s=round(self.predicted_verify_s, 6),
+                 measured_verify_s=round(self.measured_verify_s, 6),
+                 round_overhead_s=round(self.round_overhead_s, 6),
+                 times={k: round(v, 6) for k, v in asdict(self.times).items()},
+                 elapsed_s=round(self.elapsed_s, 6), prefill_s=round(self.prefill_s, 6))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Step":
+        return cls(
+            index=int(d["index"]), strategy=str(d["strategy"]), tree=DraftTree.from_dict(d["tree"]),
+            trace=[Decision(**x) for x in d.get("trace", [])], stop_reason=str(d.get("stop_reason", "")),
+            accepted=[int(x) for x in d["accepted"]], choices=[int(x) for x in d.get("choices", [])],
+            tokens=[int(x) for x in d["tokens"]], token_texts=[str(x) for x in d.get("token_texts", [])],
+            bonus=int(d["bonus"]), expected_tokens=float(d["expected_tokens"]),
+            predicted_verify_s=float(d["predicted_verify_s"]), measured_verify_s=float(d["measured_verify_s"]),
+            round_overhead_s=float(d.get("round_overhead_s", 0.0)), times=StageTimes(**d["times"]),
+            context_len=int(d["context_len"]), generated=int(d["generated"]), elapsed_s=float(d["elapsed_s"]),
+            prefill_s=float(d.get("prefill_s", 0.0)), finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    strategy: str
+    steps: int
+    tau: float
+    tokens_per_s: float
+    decode_s: float
+    prefill_s: float
+    finish_reason: str
+    stage_s: dict = field(default_factory=dict)
+    mean_tree_size: float = 0.0
+    latency_error: float | None = None  # median |pred − meas| / meas after the first 10 rounds
+    prompt_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Timer:
+    """Accumulates wall time per stage; synchronises CUDA so GPU work is counted where it runs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, times: StageTimes, stage: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            setattr(times, stage, getattr(times, stage) + time.perf_counter() - t0)
+
+
+def stop_token_ids(tokenizer, model_config=None) -> set[int]:
+    """EOS ids of the generation config and tokenizer, plus chat end-of-turn tokens in the vocabulary."""
+    ids: set[int] = set()
+    for source in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):
+            if tok in vocab:
+                ids.add(vocab[tok])
+    return ids
+
+
+class Engine:
+    """Speculative decoding over a :class:`Target` with an optional DFlash drafter."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, kernels: str = "auto",
+                 latency: LatencyModel | None = None, stop_ids: set[int] | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.kernels = get_kernels(kernels, target.device)
+        if drafter is not None:
+            target.set_feature_layers(drafter.cfg.target_layer_ids)
+        self.latency = latency or LatencyModel(ModelSpec.from_config(target.config, dtype=target.dtype),
+                                               hardware_for(target.device, target.dtype))
+        self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(target.tokenizer, target.model.generation_config)
+        self.timer = Timer(target.device)
+
+    # ----------------------------------------------------------------- helpers
+    def _decode(self, ids: list[int]) -> list[str]:
+        tok = self.target.tokenizer
+        return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
+
+    def _build(self, strategy: str, root: int, logq: torch.Tensor | None, cfg: GenerationConfig,
+               context: int) -> Expansion:
+        if strategy == "ar" or logq is None:
+            c1 = self.latency.predict(1, context)
+            return Expansion(DraftTree.root_only(root), stop_reason="autoregressive: root only", root_cost=c1)
+        max_depth = self.drafter.block_size - 1
+        if strategy == "chain":
+            return chain_tree(root, logq, max_depth)
+        rule = BudgetRule("fixed" if strategy == "fixed" else "adaptive", cfg.budget, cfg.max_nodes if strategy == "bastion"
+                          else cfg.budget, max_depth, cfg.min_nodes, cfg.lookahead)
+        return best_first_tree(root, logq, rule, lambda n: self.latency.predict(n, context),
+                               self.latency.round_overhead())
+
+    # ----------------------------------------------------------------- the loop
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
+        """Yield one Step per round until a stop token, max_new_tokens or the context limit."""
+        cfg.validate()
+        if cfg.strategy != "ar" and self.drafter is None:
+            raise ValueError(f"strategy {cfg.strategy!r} needs a drafter")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.target.max_positions
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+        target, drafter, params = self.target, self.drafter, cfg.sampling
+        device = target.device
+        t_prefill = time.perf_counter()
+        prefill = target.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long, device=device))
+        dcache = drafter.new_cache() if drafter is not None else None
+        if dcache is not None and prefill.features is not None:
+            drafter.extend_cache(dcache, prefill.features)
+        root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
+        rng_offset, index, t_start = 0, 0, time.perf_counter()
+        prefill_s = t_start - t_prefill
+        depth_room = (drafter.block_size if drafter is not None else 1)
+        while True:
+            times = StageTimes()
+            prefix = target.cache_len  # = committed − 1: every committed token but the root
+            logq = None
+            if cfg.strategy != "ar":
+                with self.timer(times, "draft"):
+                    logq = drafter.draft(dcache, root, target.embed, target.lm_head)
+                # never draft past the context limit
+                logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
+            with self.timer(times, "build"):
+                exp = self._build(cfg.strategy, root, logq, cfg, prefix)
+                tree = exp.tree
+                mask, pos = self.kernels.tree_mask(tree.parents, prefix, target.dtype, device)
+                tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+            with self.timer(times, "verify"):
+                out = target.forward_tree(tokens, mask, pos)
+            with self.timer(times, "commit"):
+                acc = accept(tree, out.logits, params, self.kernels, rng_offset)
+                rng_offset += len(tree)
+                target.commit(prefix, acc.accepted)
+                if dcache is not None and out.features is not None:
+                    drafter.extend_cache(dcache, out.features[acc.accepted])
+            new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
+            finish = ""
+            for j, tok in enumerate(new):
+                if tok in self.stop_ids:
+                    new, finish = new[:j + 1], "stop token"
+                    break
+            if generated + len(new) >= cfg.max_new_tokens:
+                new, finish = new[:cfg.max_new_tokens - generated], finish or "max_new_tokens"
+            generated += len(new)
+            if not finish and committed + len(new) + 1 >= limit:
+                finish = "context limit"
+            predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement
+            self.latency.observe(len(tree), prefix, times.verify)
+            self.latency.observe_overheads(times.draft, times.build + times.commit)
+            yield Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
+                       self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
+                       exp.round_overhead, times, committed, generated, time.perf_counter() - t_start,
+                       prefill_s, bool(finish), finish)
+            if finish:
+                return
+            committed += len(new)
+            root = acc.bonus
+            index += 1
+
+    def run(self, prompt_ids: list[int], cfg: GenerationConfig) -> GenerationResult:
+        """Drain :meth:`generate` into a result."""
+        return self.summarize(list(self.generate(prompt_ids, cfg)), len(prompt_ids))
+
+    def summarize(self, steps: list[Step], prompt_tokens: int) -> GenerationResult:
+        """τ counts the bonus token; tokens/s is over decode time (prefill excluded)."""
+        decode_s = steps[-1].elapsed_s
+        ids = [t for s in steps for t in s.tokens]
+        stage = {k: sum(getattr(s.times, k) for s in steps) for k in ("draft", "build", "verify", "commit")}
+        errs = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
+                for s in steps[10:] if s.measured_verify_s > 0]
+        tok = self.target.tokenizer
+        text = tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+        return GenerationResult(
+            text=text, token_ids=ids, strategy=steps[0].strategy, steps=len(steps), tau=len(ids) / len(steps),
+            tokens_per_s=len(ids) / decode_s if decode_s > 0 else 0.0, decode_s=decode_s,
+            prefill_s=steps[0].prefill_s, finish_reason=steps[-1].finish_reason, stage_s=stage,
+            mean_tree_size=statistics.fmean(len(s.tree) for s in steps),
+            latency_error=statistics.median(errs) if errs else None, prompt_tokens=prompt_tokens)

@@ -1,0 +1,172 @@
+"""Tree construction from the drafter's position-wise marginals: chain, fixed budget, adaptive.
+
+Best-first enumeration (a max-heap on log P): popping node (depth d, rank r) pushes its first
+child (d+1, rank 0) and its next sibling (d, rank r+1, same parent). Nodes pop in non-increasing
+P and a parent always pops before its children, so the first n pops are the best tree of size n
+under the surrogate P(v) = Π q_i(y_i).
+
+Budget awareness (Bastion): with n nodes, S_n = Σ P, C(n) the predicted verification time and
+T = T_d + T_o, candidate p is worth adding iff it raises predicted throughput:
+
+    (S_n + p) / (T + C(n+1)) > S_n / (T + C(n))  ⇔  p·(T + C(n)) > S_n·(C(n+1) − C(n)).
+
+After the first failure we keep popping up to ``lookahead`` more candidates and take them if the
+throughput of the longer prefix beats the best so far (a step in a non-convex C can hide a better
+size just beyond it); the tree returned is the best prefix seen.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class Decision:
+    """One popped candidate: where it sits, its confidence, and what the budget rule said."""
+
+    node: int            # index it got (or would have got) in the tree
+    depth: int
+    token: int
+    parent: int
+    p: float             # path confidence of the candidate
+    expected: float      # S_{n+1} if added
+    cost: float          # predicted C(n+1) in seconds
+    throughput: float    # predicted (S_{n+1}) / (T + C(n+1)) in tokens/s
+    added: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("p", "expected", "cost", "throughput"):
+            d[k] = float(f"{d[k]:.6g}")
+        return d
+
+
+@dataclass
+class Expansion:
+    """The tree a strategy chose, the decision trace behind it, and the predictions at its size."""
+
+    tree: DraftTree
+    trace: list[Decision] = field(default_factory=list)
+    stop_reason: str = ""
+    root_cost: float = 0.0        # predicted C(1)
+    root_throughput: float = 0.0  # predicted 1 / (T + C(1))
+    round_overhead: float = 0.0   # T = T_d + T_o used for the decisions
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """How big a tree to grow. kind: 'fixed' (exactly ``budget`` draft nodes when available) or
+    'adaptive' (the throughput rule); caps apply to both. Sizes count draft nodes, root excluded."""
+
+    kind: str = "adaptive"
+    budget: int = 32
+    max_nodes: int = 256
+    max_depth: int = 15
+    min_nodes: int = 0
+    lookahead: int = 8
+
+
+def topk_marginals(logq: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Per depth, the top-k log-probabilities and token ids, as Python lists (one host transfer)."""
+    vals, ids = torch.topk(logq, min(k, logq.shape[-1]), dim=-1)
+    return vals.float().cpu().tolist(), ids.cpu().tolist()
+
+
+def chain_tree(root: int, logq: torch.Tensor, max_depth: int) -> Expansion:
+    """DFlash: the argmax at every depth, one path of min(B−1, max_depth) nodes."""
+    vals, ids = topk_marginals(logq[:max_depth], 1)
+    tree = DraftTree.root_only(root)
+    logp = 0.0
+    for d, (v, t) in enumerate(zip(vals, ids)):
+        logp += v[0]
+        tree.add(t[0], d, math.exp(v[0]), math.exp(logp), 0)
+    return Expansion(tree, stop_reason="chain: one path through the argmax of every depth")
+
+
+def best_first_tree(root: int, logq: torch.Tensor, rule: BudgetRule,
+                    cost: Callable[[int], float] | None = None, round_overhead: float = 0.0) -> Expansion:
+    """Grow a tree best-first.
+
+    Args:
+        root: the root token (node 0).
+        logq: [D, V] drafter log-probabilities of depths 1..D.
+        rule: fixed budget or adaptive rule, with caps.
+        cost: n_nodes -> predicted verification seconds C(n) (tree size including the root);
+            required for 'adaptive', used for the trace of 'fixed'.
+        round_overhead: T = T_d + T_o in seconds.
+    """
+    max_depth = min(rule.max_depth, logq.shape[0])
+    limit = rule.budget if rule.kind == "fixed" else rule.max_nodes
+    limit = min(limit, rule.max_nodes)
+    tree = DraftTree.root_only(root)
+    c_now = cost(1) if cost else 0.0
+    exp = Expansion(tree, root_cost=c_now, round_overhead=round_overhead,
+                    root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0)
+    if limit <= 0 or max_depth <= 0:
+        exp.stop_reason = "budget 0: root only"
+        return exp
+    vals, ids = topk_marginals(logq[:max_depth], limit)
+    width = len(vals[0])
+    # heap entries: (−log P, tie-breaker, depth, rank, parent, log P of parent)
+    heap = [(-vals[0][0], 0, 1, 0, 0, 0.0)]
+    counter = 1
+    s_total, best_thr, best_n = 1.0, exp.root_throughput, 1
+    nodes: list[tuple] = []  # popped candidates in order, materialised into the tree at the end
+    misses = 0
+    while heap and len(nodes) < limit:
+        neg, _, d, r, parent, parent_logp = heapq.heappop(heap)
+        logp = -neg
+        idx = len(nodes) + 1
+        nodes.append((ids[d - 1][r], parent, math.exp(vals[d - 1][r]), math.exp(logp), r))
+        if r + 1 < width:
+            heapq.heappush(heap, (-(parent_logp + vals[d - 1][r + 1]), counter, d, r + 1, parent, parent_logp))
+            counter += 1
+        if d < max_depth:
+            heapq.heappush(heap, (-(logp + vals[d][0]), counter, d + 1, 0, idx, logp))
+            counter += 1
+        p = math.exp(logp)
+        s_total += p
+        c_next = cost(idx + 1) if cost else 0.0
+        denom = round_overhead + c_next
+        thr = s_total / denom if cost and denom > 0 else 0.0
+        token = ids[d - 1][r]
+        if rule.kind == "fixed":
+            exp.trace.append(Decision(idx, d, token, parent, p, s_total, c_next, thr, True, "within fixed budget"))
+            best_n = idx + 1
+            continue
+        if thr > best_thr or idx <= rule.min_nodes:
+            reason = "raises predicted throughput" if thr > best_thr else "below minimum size"
+            exp.trace.append(Decision(idx, d, token, parent, p, s_total, c_next, thr, True, reason))
+            # decisions tentatively made in a look-ahead window become real once a later prefix wins
+            for dec in exp.trace[best_n - 1:-1]:
+                dec.added, dec.reason = True, "kept: a longer prefix wins"
+            best_thr, best_n, misses = max(thr, best_thr), idx + 1, 0
+            continue
+        misses += 1
+        exp.trace.append(Decision(idx, d, token, parent, p, s_total, c_next, thr, False,
+                                  "look-ahead: no gain yet" if misses <= rule.lookahead else "no gain"))
+        if misses > rule.lookahead:
+            break
+    for token, parent, marginal, path_p, r in nodes[:best_n - 1]:
+        tree.add(token, parent, marginal, path_p, r)
+    if rule.kind == "fixed":
+        exp.stop_reason = f"fixed budget of {limit} nodes reached" if len(nodes) >= limit else "candidates exhausted"
+    elif misses > rule.lookahead:
+        exp.stop_reason = (f"next node lowers predicted throughput (p={exp.trace[best_n - 1].p:.3g} too small "
+                           f"for its cost); best size {best_n} nodes")
+    elif len(nodes) >= limit:
+        exp.stop_reason = f"cap of {limit} draft nodes reached"
+    else:
+        exp.stop_reason = "candidates exhausted"
+    for dec in exp.trace[best_n - 1:]:
+        if dec.added:
+            dec.added, dec.reason = False, "dropped: beyond the best prefix"
+    return exp

