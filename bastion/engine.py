@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from .drafter import DFlashDrafter
-from .expansion import BudgetRule, Decision, Expansion, best_first_tree, chain_tree
+from .expansion import BudgetRule, Decision, Expansion, best_first_from_topk, chain_from_topk, topk_marginals
 from .kernels import get_kernels
 from .latency import LatencyModel, ModelSpec, hardware_for
 from .target import Target
@@ -24,6 +24,7 @@ from .tree import DraftTree
 from .verify import SamplingParams, accept
 
 STRATEGIES = ("ar", "chain", "fixed", "bastion")
+TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Step:
     prefill_s: float = 0.0       # time of the prompt's prefill (same in every step of a run)
     finished: bool = False
     finish_reason: str = ""
+    draft_logq: list[list[float]] = field(default_factory=list)  # per depth, top-k log q (descending)
+    draft_ids: list[list[int]] = field(default_factory=list)     # per depth, their token ids
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
@@ -108,7 +111,9 @@ class Step:
                  measured_verify_s=round(self.measured_verify_s, 6),
                  round_overhead_s=round(self.round_overhead_s, 6),
                  times={k: round(v, 6) for k, v in asdict(self.times).items()},
-                 elapsed_s=round(self.elapsed_s, 6), prefill_s=round(self.prefill_s, 6))
+                 elapsed_s=round(self.elapsed_s, 6), prefill_s=round(self.prefill_s, 6),
+                 draft_logq=[[round(v, 4) for v in row] for row in self.draft_logq],
+                 draft_ids=[list(row) for row in self.draft_ids])
         return d
 
     @classmethod
@@ -122,7 +127,9 @@ class Step:
             predicted_verify_s=float(d["predicted_verify_s"]), measured_verify_s=float(d["measured_verify_s"]),
             round_overhead_s=float(d.get("round_overhead_s", 0.0)), times=StageTimes(**d["times"]),
             context_len=int(d["context_len"]), generated=int(d["generated"]), elapsed_s=float(d["elapsed_s"]),
-            prefill_s=float(d.get("prefill_s", 0.0)), finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
+            prefill_s=float(d.get("prefill_s", 0.0)),
+            draft_logq=[[float(v) for v in row] for row in d.get("draft_logq", [])],
+            draft_ids=[[int(v) for v in row] for row in d.get("draft_ids", [])], finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
 
 
 @dataclass
@@ -200,18 +207,21 @@ class Engine:
         tok = self.target.tokenizer
         return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
 
-    def _build(self, strategy: str, root: int, logq: torch.Tensor | None, cfg: GenerationConfig,
-               context: int) -> Expansion:
-        if strategy == "ar" or logq is None:
+    def _rule(self, cfg: GenerationConfig) -> BudgetRule:
+        adaptive = cfg.strategy == "bastion"
+        return BudgetRule("adaptive" if adaptive else "fixed", cfg.budget, cfg.max_nodes if adaptive else cfg.budget,
+                          self.drafter.block_size - 1, cfg.min_nodes, cfg.lookahead)
+
+    def _build(self, cfg: GenerationConfig, root: int, topk: tuple[list, list] | None, context: int) -> Expansion:
+        """The tree of this round: root only (ar), the argmax path (chain) or best-first (fixed, bastion)."""
+        if topk is None:
             c1 = self.latency.predict(1, context)
             return Expansion(DraftTree.root_only(root), stop_reason="autoregressive: root only", root_cost=c1)
-        max_depth = self.drafter.block_size - 1
-        if strategy == "chain":
-            return chain_tree(root, logq, max_depth)
-        rule = BudgetRule("fixed" if strategy == "fixed" else "adaptive", cfg.budget, cfg.max_nodes if strategy == "bastion"
-                          else cfg.budget, max_depth, cfg.min_nodes, cfg.lookahead)
-        return best_first_tree(root, logq, rule, lambda n: self.latency.predict(n, context),
-                               self.latency.round_overhead())
+        vals, ids = topk
+        if cfg.strategy == "chain":
+            return chain_from_topk(root, vals, ids)
+        return best_first_from_topk(root, vals, ids, self._rule(cfg), lambda n: self.latency.predict(n, context),
+                                    self.latency.round_overhead())
 
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
@@ -232,28 +242,29 @@ class Engine:
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
-        rng_offset, index, t_start = 0, 0, time.perf_counter()
+        index, t_start = 0, time.perf_counter()
         prefill_s = t_start - t_prefill
         depth_room = (drafter.block_size if drafter is not None else 1)
         while True:
             times = StageTimes()
             prefix = target.cache_len  # = committed − 1: every committed token but the root
-            logq = None
+            topk = None
             if cfg.strategy != "ar":
                 with self.timer(times, "draft"):
                     logq = drafter.draft(dcache, root, target.embed, target.lm_head)
-                # never draft past the context limit
-                logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
+                    # never draft past the context limit; one host transfer of the top-k lists
+                    logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
+                    k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
+                    topk = topk_marginals(logq, max(k, TOPK_RECORDED))
             with self.timer(times, "build"):
-                exp = self._build(cfg.strategy, root, logq, cfg, prefix)
+                exp = self._build(cfg, root, topk, prefix)
                 tree = exp.tree
                 mask, pos = self.kernels.tree_mask(tree.parents, prefix, target.dtype, device)
                 tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)
             with self.timer(times, "verify"):
                 out = target.forward_tree(tokens, mask, pos)
             with self.timer(times, "commit"):
-                acc = accept(tree, out.logits, params, self.kernels, rng_offset)
-                rng_offset += len(tree)
+                acc = accept(tree, out.logits, params, self.kernels, pos[0])
                 target.commit(prefix, acc.accepted)
                 if dcache is not None and out.features is not None:
                     drafter.extend_cache(dcache, out.features[acc.accepted])
@@ -274,7 +285,9 @@ class Engine:
             yield Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
                        self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
                        exp.round_overhead, times, committed, generated, time.perf_counter() - t_start,
-                       prefill_s, bool(finish), finish)
+                       prefill_s, bool(finish), finish,
+                       [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
+                       [row[:TOPK_RECORDED] for row in topk[1]] if topk else [])
             if finish:
                 return
             committed += len(new)

@@ -83,37 +83,51 @@ def topk_marginals(logq: torch.Tensor, k: int) -> tuple[list[list[float]], list[
 def chain_tree(root: int, logq: torch.Tensor, max_depth: int) -> Expansion:
     """DFlash: the argmax at every depth, one path of min(B−1, max_depth) nodes."""
     vals, ids = topk_marginals(logq[:max_depth], 1)
+    return chain_from_topk(root, vals, ids)
+
+
+def chain_from_topk(root: int, vals: list[list[float]], ids: list[list[int]]) -> Expansion:
+    """The chain through the rank-0 token of every depth (lists as from :func:`topk_marginals`)."""
     tree = DraftTree.root_only(root)
     logp = 0.0
     for d, (v, t) in enumerate(zip(vals, ids)):
         logp += v[0]
         tree.add(t[0], d, math.exp(v[0]), math.exp(logp), 0)
-    return Expansion(tree, stop_reason="chain: one path through the argmax of every depth")
+    return Expansion(tree, stop_reason="chain: the argmax of every depth")
 
 
 def best_first_tree(root: int, logq: torch.Tensor, rule: BudgetRule,
                     cost: Callable[[int], float] | None = None, round_overhead: float = 0.0) -> Expansion:
+    """Grow a tree best-first from logq [D, V], the drafter's log-probabilities of depths 1..D.
+
+    See :func:`best_first_from_topk`; this only extracts the per-depth top-k lists.
+    """
+    limit = min(rule.budget if rule.kind == "fixed" else rule.max_nodes, rule.max_nodes)
+    vals, ids = topk_marginals(logq[:max(0, min(rule.max_depth, logq.shape[0]))], max(limit, 1))
+    return best_first_from_topk(root, vals, ids, rule, cost, round_overhead)
+
+
+def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]], rule: BudgetRule,
+                         cost: Callable[[int], float] | None = None, round_overhead: float = 0.0) -> Expansion:
     """Grow a tree best-first.
 
     Args:
         root: the root token (node 0).
-        logq: [D, V] drafter log-probabilities of depths 1..D.
+        vals, ids: per depth 1..D, the drafter's top-k log-probabilities (descending) and token ids.
         rule: fixed budget or adaptive rule, with caps.
         cost: n_nodes -> predicted verification seconds C(n) (tree size including the root);
             required for 'adaptive', used for the trace of 'fixed'.
         round_overhead: T = T_d + T_o in seconds.
     """
-    max_depth = min(rule.max_depth, logq.shape[0])
-    limit = rule.budget if rule.kind == "fixed" else rule.max_nodes
-    limit = min(limit, rule.max_nodes)
+    max_depth = min(rule.max_depth, len(vals))
+    limit = min(rule.budget if rule.kind == "fixed" else rule.max_nodes, rule.max_nodes)
     tree = DraftTree.root_only(root)
     c_now = cost(1) if cost else 0.0
     exp = Expansion(tree, root_cost=c_now, round_overhead=round_overhead,
                     root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0)
-    if limit <= 0 or max_depth <= 0:
+    if limit <= 0 or max_depth <= 0 or not vals[0]:
         exp.stop_reason = "budget 0: root only"
         return exp
-    vals, ids = topk_marginals(logq[:max_depth], limit)
     width = len(vals[0])
     # heap entries: (−log P, tie-breaker, depth, rank, parent, log P of parent)
     heap = [(-vals[0][0], 0, 1, 0, 0, 0.0)]

@@ -194,7 +194,8 @@ def train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float):
 
 
 def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
-        layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0) -> None:
+        layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
+        mask_token_id: int = MASK_TOKEN_SMOLLM2) -> None:
     meta = json.loads((data / "meta.json").read_text())
     records = load_shards(data)
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
@@ -202,7 +203,7 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
         p.requires_grad_(False)
     ckpt.mkdir(parents=True, exist_ok=True)
     state_path = ckpt / "state.pt"
-    drafter = new_drafter(target, layers, meta["layer_ids"], block, MASK_TOKEN_SMOLLM2)
+    drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, log, rng = 0, [], random.Random(seed)
@@ -220,7 +221,7 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.05)
-        batch = make_batch(records, rows, anchors, block, MASK_TOKEN_SMOLLM2, rng)
+        batch = make_batch(records, rows, anchors, block, mask_token_id, rng)
         loss, acc, run = train_step(drafter, target, batch, gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()

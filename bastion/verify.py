@@ -7,8 +7,13 @@ the output equals plain greedy decoding token for token.
 T > 0 (sample and walk): at the current node draw y ~ softmax(logits / T) (after top-k / top-p);
 if a child carries y, move there and repeat, else emit y as the bonus and stop. Every emitted token
 is a draw from the target's own conditional at its true prefix, so the output is distributed
-exactly as the target's. Drawing one y per node up front (independent streams) and then walking is
-the same procedure, which is what lets a kernel do all draws in one pass.
+exactly as the target's. Drawing one y per node up front and then walking is the same procedure,
+which is what lets a kernel do all draws in one pass.
+
+The random stream is indexed by (seed, position): a node at position q draws from row q. The walk
+visits one node per position and no position is drawn twice in a request (committed positions only
+grow), so the draws that matter are independent; and since the row depends on the position alone,
+not on the tree, a seed gives the same sample whatever the strategy or tree size.
 """
 
 from __future__ import annotations
@@ -48,21 +53,23 @@ class Acceptance:
     choices: list[int]    # the target's choice at every node (argmax or sample)
 
 
-def target_choices(logits: torch.Tensor, params: SamplingParams, kernels: Kernels, offset: int) -> torch.Tensor:
+def target_choices(logits: torch.Tensor, params: SamplingParams, kernels: Kernels,
+                   positions: torch.Tensor) -> torch.Tensor:
     """One token per node [n]: argmax at T = 0, else an exact tempered/filtered sample.
 
-    ``offset`` advances the per-request random stream so no draw is ever reused.
+    ``positions`` [n] (the nodes' position ids) index the random stream.
     """
     if params.temperature <= 0.0:
         return kernels.node_choice(logits, 0.0)
     thresholds = None
     if params.top_k or (params.top_p is not None and params.top_p < 1.0):
         thresholds = kernels.filter_thresholds(logits.float() / params.temperature, params.top_k or None, params.top_p)
-    return kernels.node_choice(logits, params.temperature, thresholds, params.seed, offset)
+    return kernels.node_choice(logits, params.temperature, thresholds, params.seed, 0, positions)
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, kernels: Kernels, offset: int) -> Acceptance:
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, kernels: Kernels,
+           positions: torch.Tensor) -> Acceptance:
     """Walk the tree against the target's per-node choices (greedy or sampled)."""
-    choices = target_choices(logits, params, kernels, offset).tolist()
+    choices = target_choices(logits, params, kernels, positions).tolist()
     accepted, bonus = kernels.tree_walk(tree.parents, tree.tokens, choices)
     return Acceptance(accepted, bonus, choices)

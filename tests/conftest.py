@@ -6,7 +6,12 @@ first module pytest loads; the library itself never reads environment variables.
 
 import os
 
-import pytest
+# Tests use tiny models: one thread each avoids OpenMP oversubscription when several test
+# processes (or a training job) share the machine's two cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 try:
     import torch

@@ -368,3 +368,21 @@ def test_triton_matches_torch_on_cuda():
     mask, pos = TK.tree_mask(parents, 4096, torch.bfloat16, "cuda")
     want_mask, want_pos = R.tree_mask_torch(parents, 4096, torch.bfloat16, "cuda")
     assert torch.equal(mask, want_mask) and torch.equal(pos, want_pos)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_output_same_with_triton_and_torch_backends(temperature):
+    """The whole engine, verification through the interpreted Triton kernels vs the torch ones."""
+    from bastion.engine import Engine, GenerationConfig
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = tiny_drafter(target)
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(target, drafter, kernels=backend, stop_ids=set())
+        assert engine.kernels.name == backend
+        outs[backend] = [engine.run([3, 1, 4], GenerationConfig(strategy=s, max_new_tokens=10, temperature=temperature,
+                                                                 seed=5, budget=6)).token_ids
+                         for s in ("ar", "chain", "fixed", "bastion")]
+    assert outs["torch"] == outs["triton"]

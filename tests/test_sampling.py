@@ -46,11 +46,11 @@ def chi2(counts, probs, n):
     return stat, len(cells)
 
 
-def lossy_accept(tree, logits, params, kernels, offset):
+def lossy_accept(tree, logits, params, kernels, positions):
     """What the published code does at T > 0: match drafts against the argmax, sample only the bonus."""
     greedy = torch.argmax(logits, -1).tolist()
     path, _ = kernels.tree_walk(tree.parents, tree.tokens, greedy)
-    sampled = target_choices(logits, params, kernels, offset).tolist()
+    sampled = target_choices(logits, params, kernels, positions).tolist()
     return Acceptance(path, sampled[path[-1]], greedy)
 
 
@@ -120,5 +120,18 @@ def test_top_k_top_p_never_leave_the_allowed_set(setup):
                 cut = int((torch.cumsum(p, 0) - p < params.top_p).sum())
                 allowed_sets.append(set(order[:cut]))
         for offset in range(0, 400, 50):
-            choice = target_choices(logits, params, k, offset).tolist()
+            choice = target_choices(logits, params, k, torch.arange(offset, offset + 50)).tolist()
             assert all(c in s for c, s in zip(choice, allowed_sets))
+
+
+def test_sampled_output_is_the_same_for_every_strategy():
+    """The stream is indexed by position, so one seed gives one sample whatever the tree (float64)."""
+    target = tiny_target("qwen3", vocab=40, dtype=torch.float64, seed=5)
+    with torch.no_grad():
+        target.model.get_output_embeddings().weight.mul_(0.2)
+    engine = Engine(target, tiny_drafter(target, block_size=5), kernels="torch", stop_ids=set())
+    for seed in range(3):
+        outs = {s: engine.run([2, 3], GenerationConfig(strategy=s, max_new_tokens=16, temperature=1.0, top_p=0.9,
+                                                        seed=seed, budget=9)).token_ids
+                for s in ("ar", "chain", "fixed", "bastion")}
+        assert len({tuple(v) for v in outs.values()}) == 1, outs

@@ -35,12 +35,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None) -> torch.Tensor:
-    """Uniform variates u in (0, 1), float32 [n, vocab]: u[i, v] = hash(seed, offset + i, v).
+def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Uniform variates u in (0, 1), float32 [n, vocab]: u[i, v] = hash(seed, r_i, v), where the
+    row counter r_i = offset + i, or counters[i] when given (taken mod 2^32).
 
     24 random bits per variate; (h + 0.5) / 2^24 keeps u strictly inside (0, 1).
     """
-    rows = torch.arange(offset, offset + n, device=device, dtype=torch.int64)
+    if counters is not None:
+        rows = counters.to(device=device, dtype=torch.int64) & _MASK32
+    else:
+        rows = torch.arange(offset, offset + n, device=device, dtype=torch.int64)
     cols = torch.arange(vocab, device=device, dtype=torch.int64)
     key = _mix32(_mix32(rows ^ (seed & _MASK32)) + ((seed >> 32) & _MASK32))
     h = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9)[None, :])
@@ -73,14 +78,16 @@ def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | No
 
 
 def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
-                      seed: int = 0, offset: int = 0) -> torch.Tensor:
+                      seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
     """One token per node, int64 [n].
 
     Args:
         logits: [n, V] target logits (any float dtype; computed in float32).
         temperature: 0 for argmax, > 0 for an exact sample from softmax(logits / T).
         thresholds: optional [n] float32 tempered-logit thresholds from :func:`filter_thresholds`.
-        seed, offset: the random stream; row i uses counter offset + i.
+        seed, offset: the random stream; row i uses counter offset + i ...
+        counters: ... or counters[i] [n] when given. The engine passes each node's position id,
+            so the draw for the token at position q always comes from row q, whatever the tree.
     """
     x = logits.float()
     if temperature <= 0.0:
@@ -88,7 +95,7 @@ def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torc
     x = x / temperature
     if thresholds is not None:
         x = x.masked_fill(x < thresholds[:, None], float("-inf"))
-    u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device)
+    u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device, counters=counters)
     gumbel = -torch.log(-torch.log(u))
     return torch.argmax(x + gumbel, dim=-1)
 

@@ -67,10 +67,10 @@ def _mix32(x):
 
 # sizes, seeds and the temperature vary from call to call: never specialise (recompile) on them
 @triton.jit(do_not_specialize=["V", "chunk", "split", "temp", "seed_lo", "seed_hi", "offset_lo"])
-def _node_choice_kernel(logits_ptr, stride_row, thr_ptr, val_ptr, idx_ptr, V, chunk, split, temp,
+def _node_choice_kernel(logits_ptr, stride_row, thr_ptr, ctr_ptr, val_ptr, idx_ptr, V, chunk, split, temp,
                         seed_lo, seed_hi, offset_lo,
                         PARTIAL: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-                        HAS_THR: tl.constexpr, RECIPROCAL: tl.constexpr):
+                        HAS_THR: tl.constexpr, RECIPROCAL: tl.constexpr, HAS_CTR: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     start = part * chunk
@@ -79,7 +79,10 @@ def _node_choice_kernel(logits_ptr, stride_row, thr_ptr, val_ptr, idx_ptr, V, ch
     lane = tl.arange(0, BLOCK)
 
     if SAMPLE:
-        counter = offset_lo.to(tl.uint32) + row.to(tl.uint32)  # (offset + i) mod 2^32
+        if HAS_CTR:  # explicit per-row counters (the engine passes each node's position)
+            counter = tl.load(ctr_ptr + row).to(tl.uint32)
+        else:
+            counter = offset_lo.to(tl.uint32) + row.to(tl.uint32)  # (offset + i) mod 2^32
         key = _mix32(_mix32(counter ^ seed_lo.to(tl.uint32)) + seed_hi.to(tl.uint32))
         if HAS_THR:
             thr = tl.load(thr_ptr + row).to(tl.float32)
@@ -142,7 +145,7 @@ def _choose_block_split(n: int, vocab: int, device: torch.device) -> tuple[int, 
 
 
 def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
-                 seed: int = 0, offset: int = 0, *, block: int | None = None,
+                 seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None, *, block: int | None = None,
                  split: int | None = None) -> torch.Tensor:
     """node_choice with explicit tiling (``block`` tokens per step, vocabulary ``split`` ways)."""
     if logits.dim() != 2:
@@ -174,6 +177,10 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
         temp = 1.0
     has_thr = sample and thresholds is not None
     thr = thresholds.to(device=logits.device, dtype=torch.float32).contiguous() if has_thr else out
+    has_ctr = sample and counters is not None
+    # counters are taken mod 2^32, as in the reference; int32 storage keeps the low 32 bits
+    ctr = ((counters.to(torch.int64) & 0xFFFFFFFF) - ((counters.to(torch.int64) & 0x80000000) << 1)).to(
+        device=logits.device, dtype=torch.int32).contiguous() if has_ctr else out
 
     if split == 1:
         val, idx = out, out
@@ -181,9 +188,9 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
         val = torch.empty(n, split, dtype=torch.float32, device=logits.device)
         idx = torch.empty(n, split, dtype=torch.int32, device=logits.device)
     _node_choice_kernel[(n, split)](
-        logits, logits.stride(0), thr, val, idx, vocab, chunk, split, temp,
+        logits, logits.stride(0), thr, ctr, val, idx, vocab, chunk, split, temp,
         _as_i32(seed), _as_i32(seed >> 32), _as_i32(offset),
-        PARTIAL=split > 1, BLOCK=block, SAMPLE=sample, HAS_THR=has_thr, RECIPROCAL=reciprocal,
+        PARTIAL=split > 1, BLOCK=block, SAMPLE=sample, HAS_THR=has_thr, RECIPROCAL=reciprocal, HAS_CTR=has_ctr,
         num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False)
     if split > 1:
         _combine_kernel[(n,)](val, idx, out, split, BLOCK_S=max(2, triton.next_power_of_2(split)),
@@ -192,13 +199,13 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
 
 
 def node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
-                seed: int = 0, offset: int = 0) -> torch.Tensor:
+                seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
     """One token per node, int64 [n]: argmax (T = 0) or the Gumbel-max sample of the shared stream.
 
     Same contract as :func:`.reference.node_choice_torch`; thresholds are tempered-logit
     thresholds from :func:`.reference.filter_thresholds` (computed from ``logits.float() / T``).
     """
-    return _node_choice(logits, temperature, thresholds, seed, offset)
+    return _node_choice(logits, temperature, thresholds, seed, offset, counters)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""Drafter: DFlash-layout save/load, compatibility errors, and a short training run."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bastion.drafter import DrafterConfig, load_drafter, save_drafter
+from bastion.engine import Engine, GenerationConfig
+from bastion.train import make_batch, new_drafter, train_step
+from tiny import tiny_drafter, tiny_target
+
+
+def load_for(target, folder, **kw):
+    return load_drafter(folder, target.hidden_size, target.vocab_size, target.num_layers, dtype=target.dtype, **kw)
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target, layers=2)
+    save_drafter(d, tmp_path / "d")
+    back = load_for(target, tmp_path / "d")
+    for (k, v), (k2, v2) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    cache_a, cache_b = d.new_cache(), back.new_cache()
+    feats = torch.randn(5, 2 * target.hidden_size)
+    d.extend_cache(cache_a, feats)
+    back.extend_cache(cache_b, feats)
+    assert torch.equal(d.draft(cache_a, 3, target.embed, target.lm_head), back.draft(cache_b, 3, target.embed, target.lm_head))
+
+
+def test_published_layout_names_and_config(tmp_path):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    save_drafter(tiny_drafter(target, layers=2), tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["block_size"] == 6 and cfg["num_target_layers"] == target.num_layers
+    assert set(cfg["dflash_config"]) == {"target_layer_ids", "mask_token_id"}
+    names = set(load_file(str(tmp_path / "d" / "model.safetensors")))
+    for n in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
+              "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"):
+        assert n in names
+
+
+def test_dflash_checkpoint_layout_runs_all_strategies(tmp_path):
+    """A folder written the way z-lab's checkpoints are (model. prefix tolerated, extra config keys)."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target, layers=2, block_size=8)
+    folder = tmp_path / "z-lab-style"
+    folder.mkdir()
+    cfg = d.cfg.to_hf_dict()
+    cfg.update(torch_dtype="bfloat16", transformers_version="4.57.0", auto_map={"AutoModel": "dflash.DFlashDraftModel"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in d.state_dict().items() if not k.startswith("rotary.")},
+              str(folder / "model.safetensors"))
+    loaded = load_for(target, folder)
+    engine = Engine(target, loaded, kernels="torch", stop_ids=set())
+    ref = engine.run([5, 6, 7], GenerationConfig(strategy="ar", max_new_tokens=12)).token_ids
+    for s in ("chain", "fixed", "bastion"):
+        assert engine.run([5, 6, 7], GenerationConfig(strategy=s, max_new_tokens=12)).token_ids == ref
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("hidden_size", 48, "hidden_size"), ("vocab_size", 1000, "vocab"), ("target_layer_ids", [0, 99], "out of range"),
+    ("mask_token_id", 10**6, "mask_token_id")])
+def test_mismatched_config_is_named(tmp_path, field, value, msg):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    save_drafter(tiny_drafter(target), tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    if field in ("target_layer_ids", "mask_token_id"):
+        cfg["dflash_config"][field] = value
+    else:
+        cfg[field] = value
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=msg):
+        load_for(target, tmp_path / "d")
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    with pytest.raises(FileNotFoundError):
+        load_for(target, tmp_path / "nothing-here", local_files_only=True)
+    save_drafter(tiny_drafter(target), tmp_path / "d")
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="safetensors"):
+        load_for(target, tmp_path / "d")
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_for(target, tmp_path / "d")
+
+
+def test_short_training_run_lowers_loss():
+    torch.manual_seed(0)
+    target = tiny_target("llama", vocab=50, dtype=torch.float32, layers=4)
+    target.set_feature_layers([1, 2])
+    rng = random.Random(0)
+    seqs = []
+    for _ in range(16):  # the target's own greedy continuations
+        prompt = [rng.randrange(49) for _ in range(4)]
+        out = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        seqs.append((out[0].tolist(), len(prompt)))
+    records = []
+    for ids, plen in seqs:
+        t = torch.tensor([ids])
+        feats = target.batch_features(t, torch.ones_like(t))[0]
+        records.append({"ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": plen, "feats": feats.clone()})
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    drafter = new_drafter(target, layers=1, layer_ids=[1, 2], block_size=4, mask_token_id=49)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for step in range(60):
+        batch = make_batch(records, 4, 4, 4, 49, rng)
+        loss, acc, _ = train_step(drafter, target, batch, gamma=5.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:5]) / 5, losses[:5] + losses[-10:]
