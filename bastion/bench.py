@@ -1,0 +1,583 @@
+"""The benchmark harness: every strategy on every prompt of a suite, in one process.
+
+    python -m bastion bench --prompts assets/eval_prompts.json --strategies ar,chain,fixed:32,bastion
+
+**Order.** One short warm-up run per strategy (not recorded), then for each prompt and each repeat
+every strategy in turn, the turn starting one place later on every prompt: drift of a shared machine
+(heat, other jobs) hits all strategies alike and none always runs first. AR always runs: it is the
+reference for speedup and token equality. One engine serves every strategy, as in a serving process:
+its online latency calibration carries over from run to run.
+
+**Timing** is decode tokens/s with the prefill excluded. Engine: :attr:`Step.elapsed_s` (the clock
+starts after the prefill of prompt[:-1]; every generated token counts). transformers' ``generate``
+(``--hf-baselines``): a streamer stamps each batch of tokens as it comes out; the first batch follows
+the prefill forward, so the rate is (tokens after the first batch) / (time from first to last batch).
+
+**Aggregates** pool repeats and prompts: tokens/s = Σ tokens / Σ decode s; τ = Σ tokens / Σ rounds;
+mean tree size = Σ nodes / Σ rounds (root included); speedup_vs_ar = mean over prompts of
+tokens/s ÷ AR's tokens/s on that prompt; match_ar = fraction of prompts whose token ids equal AR's in
+every repeat; latency_error = median |predicted − measured| / measured verify time over rounds ≥ 10
+of every run (as ``GenerationResult.latency_error``); peak_rss_mb = the largest resident set of a run,
+per run on Linux (the kernel's high-water mark is reset before each run), else the process's peak.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+from transformers.generation import BaseStreamer
+
+from .engine import Engine, GenerationConfig
+
+ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
+HF_BASELINES = ("hf_generate", "hf_prompt_lookup")
+DEFAULT_STRATEGIES = "ar,chain,fixed:16,fixed:32,fixed:64,bastion"
+PROMPT_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 8
+STAGES = ("draft", "build", "verify", "commit")
+
+
+class BenchError(ValueError):
+    """Bad input to the harness: reported in one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A benchmarked decoder: an engine strategy (``budget`` used by 'fixed') or 'hf' for generate()."""
+
+    name: str
+    kind: str
+    budget: int = 32
+
+    def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
+        return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
+                                temperature=temperature, seed=seed)
+
+
+def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
+    """'ar,chain,fixed:32,bastion' → strategies, AR first, duplicates dropped; BenchError on a bad name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise BenchError("--strategies is empty")
+    found: dict[str, Strategy] = {"ar": Strategy("ar", "ar")}
+    for name in names + (list(HF_BASELINES) if hf_baselines else []):
+        s = _strategy(name)
+        found.setdefault(s.name, s)
+    return list(found.values())
+
+
+def _strategy(name: str) -> Strategy:
+    if name in ENGINE_STRATEGIES:
+        return Strategy(name, name)
+    if name in HF_BASELINES:
+        return Strategy(name, "hf")
+    kind, _, budget = name.partition(":")
+    if kind == "fixed":
+        if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
+            raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
+        return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(HF_BASELINES)}")
+
+
+@dataclass(frozen=True)
+class PromptCase:
+    category: str
+    index: int       # position within its category
+    text: str
+    ids: list[int]   # encoded prompt (chat template applied by the CLI)
+
+
+def read_prompts(path: Path, limit: int | None = None) -> dict[str, list[str]]:
+    """{category: [prompt, ...]} from a JSON object; keys whose value is not a list are ignored."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchError(f"prompt file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"prompt file {path} is not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"cannot read prompt file {path} ({exc})") from None
+    if not isinstance(data, dict):
+        raise BenchError(f"prompt file {path} must hold a JSON object {{category: [prompt, ...]}}")
+    suite = {}
+    for category, prompts in data.items():
+        if not isinstance(prompts, list):
+            continue
+        bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()]
+        if bad:
+            raise BenchError(f"prompt file {path}: {category}[{bad[0]}] is not a non-empty string")
+        if prompts:
+            suite[category] = prompts[:limit]
+    if not suite:
+        raise BenchError(f"prompt file {path} holds no prompts (expected {{category: [prompt, ...]}})")
+    return suite
+
+
+# --------------------------------------------------------------------- one measured run
+@dataclass
+class Run:
+    """One generation of one prompt by one strategy."""
+
+    token_ids: list[int]
+    rounds: int                  # target forwards: engine rounds, or generate()'s token batches
+    decode_tokens: int           # tokens the decode time covers
+    decode_s: float
+    nodes: int | None = None     # Σ tree sizes, root included (engine only)
+    stage_s: dict | None = None  # seconds per stage (engine only)
+    errors: list[float] = field(default_factory=list)  # latency-model relative errors, rounds ≥ 10
+    peak_rss_mb: float = 0.0
+    peak_gpu_mb: float | None = None
+
+
+def _run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list[dict], tag: dict) -> Run:
+    steps = list(engine.generate(ids, cfg))
+    res = engine.summarize(steps, len(ids))
+    rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), context=s.context_len, tokens=len(s.tokens),
+                     predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s) for s in steps)
+    errors = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
+              for s in steps[10:] if s.measured_verify_s > 0]
+    return Run(res.token_ids, res.steps, len(res.token_ids), res.decode_s, sum(len(s.tree) for s in steps),
+               dict(res.stage_s), errors)
+
+
+class _TokenClock(BaseStreamer):
+    """Stamps each batch generate() streams: the prompt first, then one batch per target forward."""
+
+    def __init__(self):
+        self.marks: list[tuple[float, int]] = []
+
+    def put(self, value):
+        self.marks.append((time.perf_counter(), int(value.numel())))  # value is on the host: synchronised
+
+    def end(self):
+        pass
+
+
+@contextmanager
+def _feature_hooks_off(engine: Engine):
+    """generate() should not pay for the hooks that capture the drafter's context features."""
+    layers = list(engine.drafter.cfg.target_layer_ids) if engine.drafter is not None else []
+    engine.target.set_feature_layers([])
+    try:
+        yield
+    finally:
+        engine.target.set_feature_layers(layers)
+
+
+def _run_hf(engine: Engine, ids: list[int], strategy: Strategy, max_new_tokens: int, temperature: float,
+            seed: int) -> Run:
+    """transformers' own generate(): greedy (or plain sampling at T > 0), or prompt-lookup decoding."""
+    stop = sorted(engine.stop_ids)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=stop or None,
+              pad_token_id=stop[0] if stop else 0)
+    if temperature > 0:
+        kw.update(temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
+    if strategy.name == "hf_prompt_lookup":
+        kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    x = torch.tensor([ids], dtype=torch.long, device=engine.target.device)
+    clock = _TokenClock()
+    with _feature_hooks_off(engine), torch.inference_mode():
+        out = engine.target.model.generate(x, attention_mask=torch.ones_like(x), streamer=clock, **kw)
+    batches = clock.marks[1:]
+    return Run(out[0, len(ids):].tolist(), len(batches), sum(n for _, n in batches[1:]),
+               batches[-1][0] - batches[0][0])
+
+
+def _reset_peak_memory(device: torch.device) -> bool:
+    """Reset the peak-memory marks; False where the RSS peak cannot be reset (not Linux)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # "5": reset the resident-set high-water mark
+        return True
+    except OSError:
+        return False
+
+
+def _peak_memory(device: torch.device) -> tuple[float, float | None]:
+    """(peak RSS MiB, peak CUDA memory allocated MiB or None)."""
+    gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024, gpu
+    except OSError:
+        pass
+    import resource  # POSIX only; ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 1024), gpu
+
+
+# --------------------------------------------------------------------- the suite
+@dataclass
+class BenchOutput:
+    results: dict      # what results.json holds
+    rounds: list[dict]  # one row per verified tree (engine strategies): rounds.csv and the latency scatter
+
+
+def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy], max_new_tokens: int = 128,
+              temperature: float = 0.0, repeats: int = 1, seed: int = 0, command: str = "",
+              progress: bool = True) -> BenchOutput:
+    """Run every strategy on every case (order in the module docstring) and tabulate the results."""
+    if not cases or strategies[0].name != "ar":
+        raise ValueError("run_suite needs prompts and AR as the first strategy")
+    device = engine.target.device
+    rows: list[dict] = []
+    resettable = True
+
+    def measure(case: PromptCase, s: Strategy, n: int, sink: list[dict], tag: dict) -> Run:
+        nonlocal resettable
+        resettable = _reset_peak_memory(device) and resettable
+        if s.kind == "hf":
+            run = _run_hf(engine, case.ids, s, n, temperature, seed)
+        else:
+            run = _run_engine(engine, case.ids, s.config(n, temperature, seed), sink, tag)
+        run.peak_rss_mb, run.peak_gpu_mb = _peak_memory(device)
+        return run
+
+    machine = machine_info(device, engine.target.dtype)
+    bar = tqdm(total=len(strategies) * (1 + len(cases) * repeats), file=sys.stderr, unit="run",
+               disable=not progress, dynamic_ncols=True)
+    for s in strategies:
+        bar.set_description(f"warm-up {s.name}")
+        measure(cases[0], s, min(WARMUP_TOKENS, max_new_tokens), [], {})
+        bar.update()
+    runs: dict[tuple[int, str], list[Run]] = {}
+    for i, case in enumerate(cases):
+        shift = i % len(strategies)
+        for r in range(repeats):
+            for s in strategies[shift:] + strategies[:shift]:
+                bar.set_description(f"{case.category}[{case.index}] {s.name}")
+                tag = {"strategy": s.name, "category": case.category, "prompt": case.index, "repeat": r}
+                runs.setdefault((i, s.name), []).append(measure(case, s, max_new_tokens, rows, tag))
+                bar.update()
+    bar.close()
+    machine["load_average_end"] = _load_average()
+    machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
+                              else "process lifetime peak (getrusage)")
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
+                "warmup_tokens": WARMUP_TOKENS, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+                "timing": "decode tokens/s, prefill excluded (generate(): streamer stamps after the first batch)"}
+    return BenchOutput({"machine": machine, "command": command, "settings": settings,
+                        **_tabulate(cases, [s.name for s in strategies], runs)}, rows)
+
+
+def _tabulate(cases: list[PromptCase], names: list[str], runs: dict[tuple[int, str], list[Run]]) -> dict:
+    speedup, match, prompts = {}, {}, []
+    for i, case in enumerate(cases):
+        ref, ar_rate = runs[i, "ar"][0].token_ids, _rate(runs[i, "ar"])
+        entry = {"category": case.category, "index": case.index, "prompt": case.text,
+                 "prompt_tokens": len(case.ids), "strategies": {}}
+        for name in names:
+            rs = runs[i, name]
+            speedup[i, name] = _rate(rs) / ar_rate if ar_rate > 0 else None
+            match[i, name] = all(r.token_ids == ref for r in rs)
+            stats = _pool(rs, [speedup[i, name]], [match[i, name]])
+            stats["first_mismatch"] = next((_first_mismatch(r.token_ids, ref) for r in rs if r.token_ids != ref), None)
+            stats["tokens_per_s_runs"] = [round(_rate([r]), 3) for r in rs]
+            entry["strategies"][name] = stats
+        prompts.append(entry)
+
+    def group(idx: list[int]) -> dict:
+        return {n: _pool([r for i in idx for r in runs[i, n]], [speedup[i, n] for i in idx], [match[i, n] for i in idx])
+                for n in names}
+
+    categories = {c: group([i for i, x in enumerate(cases) if x.category == c])
+                  for c in dict.fromkeys(x.category for x in cases)}
+    return {"strategies": group(list(range(len(cases)))), "categories": categories, "prompts": prompts}
+
+
+def _first_mismatch(ids: list[int], ref: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(ids, ref)) if x != y), min(len(ids), len(ref)))
+
+
+def _rate(runs: list[Run]) -> float:
+    seconds = sum(r.decode_s for r in runs)
+    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool]) -> dict:
+    """Statistics of a group of runs (definitions in the module docstring)."""
+    tokens, rounds = sum(len(r.token_ids) for r in runs), sum(r.rounds for r in runs)
+    decode_s = sum(r.decode_s for r in runs)
+    speedups = [s for s in speedups if s is not None]
+    errors = [e for r in runs for e in r.errors]
+    engine = all(r.stage_s is not None for r in runs)
+    time_s = None
+    if engine:
+        time_s = {k: sum(r.stage_s[k] for r in runs) for k in STAGES}
+        time_s["other"] = max(0.0, decode_s - sum(time_s.values()))  # loop, Step records, token texts
+    gpu = [r.peak_gpu_mb for r in runs if r.peak_gpu_mb is not None]
+    return {
+        "tokens_per_s": _round(_rate(runs)), "speedup_vs_ar": _round(statistics.fmean(speedups) if speedups else None),
+        "tau": _round(tokens / rounds if rounds else None), "match_ar": _round(statistics.fmean(matches)),
+        "mean_tree_size": _round(sum(r.nodes for r in runs) / rounds if engine and rounds else None),
+        "time_s": {k: _round(v, 6) for k, v in time_s.items()} if time_s else None,
+        "time_fraction": {k: _round(v / decode_s) for k, v in time_s.items()} if time_s and decode_s > 0 else None,
+        "latency_error": _round(statistics.median(errors) if errors else None),
+        "peak_rss_mb": _round(max(r.peak_rss_mb for r in runs), 1), "peak_gpu_mb": _round(max(gpu), 1) if gpu else None,
+        "tokens": tokens, "rounds": rounds, "decode_s": _round(decode_s, 6), "runs": len(runs),
+    }
+
+
+def _round(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def _load_average() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "load_average_start": _load_average()}
+
+
+# --------------------------------------------------------------------- report
+def write_report(out: BenchOutput, folder: Path) -> list[Path]:
+    """results.json, results.md, rounds.csv and the PNG plots in ``folder``; returns their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "results.json", folder / "results.md", folder / "rounds.csv"]
+    paths[0].write_text(json.dumps(out.results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    paths[1].write_text(markdown(out.results), encoding="utf-8")
+    with open(paths[2], "w", newline="") as fh:
+        fields = ["strategy", "category", "prompt", "repeat", "round", "tree_size", "context", "tokens",
+                  "predicted_s", "measured_s"]
+        writer = csv.DictWriter(fh, fields)
+        writer.writeheader()
+        writer.writerows(out.rounds)
+    return paths + plot_report(out, folder)
+
+
+def _cell(x, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(results: dict) -> str:
+    """A README-ready summary: settings, one row per strategy, speedup per category."""
+    m, s, groups = results["machine"], results["settings"], results["categories"]
+    per_category = [p["category"] for p in results["prompts"]]
+    counts = ", ".join(f"{c} {per_category.count(c)}" for c in groups)
+    lines = [f"### Benchmark {m['date'][:10]}", "",
+             f"- Machine: {m['gpu'] or m['cpu']}, {m['cores']} cores, {m['device']} {m['dtype']}, "
+             f"torch {m['torch']}, transformers {m['transformers']}",
+             f"- Command: `{results['command']}`",
+             f"- Prompts: {len(results['prompts'])} ({counts}); max_new_tokens {s['max_new_tokens']}, "
+             f"temperature {s['temperature']}, repeats {s['repeats']}; decode tokens/s, prefill excluded", "",
+             "| strategy | tok/s | speedup vs AR | τ | mean tree | match AR | draft / build / verify / commit / other "
+             "| latency err | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for name, st in results["strategies"].items():
+        frac = st["time_fraction"]
+        split = " / ".join(f"{100 * frac[k]:.0f}%" for k in (*STAGES, "other")) if frac else "–"
+        lines.append(f"| {name} | {st['tokens_per_s']:.1f} | {_cell(st['speedup_vs_ar'], '{:.2f}×')} | "
+                     f"{_cell(st['tau'])} | {_cell(st['mean_tree_size'], '{:.1f}')} | {st['match_ar']:.0%} | "
+                     f"{split} | {_cell(st['latency_error'], '{:.0%}')} | {st['peak_rss_mb']:.0f} |")
+    lines += ["", "Speedup vs AR by category (mean over prompts of the tokens/s ratio):", "",
+              "| strategy | " + " | ".join(groups) + " | all |", "|---|" + "---:|" * (len(groups) + 1)]
+    for name, st in results["strategies"].items():
+        cells = [_cell(g[name]["speedup_vs_ar"], "{:.2f}×") for g in groups.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_cell(st['speedup_vs_ar'], '{:.2f}×')} |")
+    if s["temperature"] > 0 and any(n.startswith("hf_") for n in results["strategies"]):
+        lines += ["", "At T > 0 the hf_* baselines sample from transformers' own random stream: "
+                      "their match with AR is not expected."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
+    """Three PNGs: speedup by category; τ vs mean tree size; predicted vs measured verify time."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
+
+    res = out.results
+    names = list(res["strategies"])
+    color = {n: colormaps["tab10"](i % 10) for i, n in enumerate(names)}
+    title = f"{res['machine']['gpu'] or res['machine']['cpu']} · {res['machine']['date'][:10]}"
+    paths = [folder / "speedup_by_category.png", folder / "tau_vs_tree_size.png", folder / "verify_latency.png"]
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    groups = {**res["categories"], "all prompts": res["strategies"]}
+    shown = [n for n in names if n != "ar"]
+    width = 0.8 / max(1, len(shown))
+    for j, n in enumerate(shown):
+        ys = [g[n]["speedup_vs_ar"] or 0.0 for g in groups.values()]
+        bars = ax.bar([k + (j - (len(shown) - 1) / 2) * width for k in range(len(groups))], ys, width, label=n,
+                      color=color[n])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2, rotation=90 if len(shown) > 3 else 0)
+    ax.axhline(1.0, color="black", lw=1, ls="--", label="ar")
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel("decode speedup vs AR (×)")
+    ax.set_title(f"Speedup by category — {title}", fontsize=10)
+    ax.legend(fontsize=8, ncols=min(4, len(shown) + 1), loc="upper left")
+    ax.set_ylim(0, max([1.3] + [1.3 * (g[n]["speedup_vs_ar"] or 0) for g in groups.values() for n in shown]))
+    fig.savefig(paths[0], dpi=120)
+
+    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for n, st in res["strategies"].items():
+        if st["mean_tree_size"] is None:
+            continue
+        cats = [g[n] for g in res["categories"].values()]
+        ax.scatter([c["mean_tree_size"] for c in cats], [c["tau"] for c in cats], s=15, alpha=0.5, color=color[n])
+        ax.scatter([st["mean_tree_size"]], [st["tau"]], s=60, color=color[n], edgecolors="black", label=n)
+        ax.annotate(n, (st["mean_tree_size"], st["tau"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("mean tree size (nodes verified per round, root included)")
+    ax.set_ylabel("τ (tokens per round)")
+    ax.set_title(f"Acceptance vs tree size (large: all prompts, small: categories)\n{title}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(paths[1], dpi=120)
+
+    fig = Figure(figsize=(6, 5.5), layout="constrained")
+    ax = fig.add_subplot()
+    for n in names:
+        pts = [(r["predicted_s"] * 1e3, r["measured_s"] * 1e3) for r in out.rounds if r["strategy"] == n]
+        if pts:
+            err = res["strategies"][n]["latency_error"]
+            ax.scatter(*zip(*pts), s=6, alpha=0.4, color=color[n], label=f"{n} (median err {_cell(err, '{:.0%}')})")
+    values = [v for r in out.rounds for v in (r["predicted_s"], r["measured_s"]) if v > 0]
+    if values:
+        lo, hi = min(values) * 1e3 / 1.2, max(values) * 1e3 * 1.2
+        ax.plot([lo, hi], [lo, hi], color="black", lw=1, ls="--", label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("predicted verify time (ms)")
+    ax.set_ylabel("measured verify time (ms)")
+    ax.set_title(f"Latency model, every round (error: rounds ≥ 10)\n{title}", fontsize=10)
+    ax.legend(fontsize=7, markerscale=2)
+    fig.savefig(paths[2], dpi=120)
+    return paths
+
+
+# --------------------------------------------------------------------- command line
+def add_parser(sub) -> None:
+    from .loading import EVAL_PROMPTS
+
+    b = sub.add_parser("bench", help="benchmark strategies on a prompt suite",
+                       description="Run every strategy on every prompt, interleaved; write results.json, "
+                                   "results.md, rounds.csv and PNG plots.")
+    b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
+    b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion")
+    b.add_argument("--hf-baselines", action="store_true",
+                   help="add transformers' generate() greedy and prompt-lookup decoding")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=1, help="runs of each strategy on each prompt")
+    b.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    b.add_argument("--out", type=Path, default=None, help="output folder (default bench/out-DATE-TIME)")
+    b.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
+    b.add_argument("--drafter", default=None, help="DFlash drafter folder or hub id (default: the shipped one)")
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--device", default=None)
+    b.add_argument("--kernels", default="auto", help="auto|torch|triton")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run_bench(a, engine: Engine | None = None, encode: Callable[[str], list[int]] | None = None) -> int:
+    """The ``bench`` subcommand. ``engine`` and ``encode`` (prompt text → ids) may be injected (tests);
+    otherwise the model named by ``a.model`` is loaded, after every input check has passed."""
+    try:
+        return _bench(a, engine, encode)
+    except BenchError as exc:  # handled here: under `python -m`, __main__'s UsageError is another class
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) -> int:
+    from .kernels import BACKENDS
+    from .loading import DTYPES, encode_prompt
+
+    strategies = parse_strategies(a.strategies, a.hf_baselines)
+    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--repeats", a.repeats),
+                        ("--limit-per-category", 1 if a.limit_per_category is None else a.limit_per_category)):
+        if value < 1:
+            raise BenchError(f"{flag} must be a positive integer, got {value}")
+    if not math.isfinite(a.temperature):
+        raise BenchError(f"--temperature must be a finite number, got {a.temperature}")
+    for s in strategies:
+        if s.kind != "hf":
+            try:
+                s.config(a.max_new_tokens, a.temperature, a.seed).validate()
+            except ValueError as exc:
+                raise BenchError(str(exc)) from None
+    if a.dtype not in DTYPES:
+        raise BenchError(f"unknown dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if a.kernels not in BACKENDS:
+        raise BenchError(f"unknown kernel backend {a.kernels!r}; choose one of {', '.join(BACKENDS)}")
+    suite = read_prompts(a.prompts, a.limit_per_category)
+    out_dir = a.out or Path("bench") / datetime.now().strftime("out-%Y%m%d-%H%M%S")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BenchError(f"--out {out_dir} exists and is not a folder")
+
+    engine = engine or _load_engine(a, strategies, DTYPES[a.dtype])
+    encode = encode or (lambda text: encode_prompt(engine.target.tokenizer, text))
+    cases = [PromptCase(c, i, text, list(encode(text))) for c, prompts in suite.items() for i, text in enumerate(prompts)]
+    limit = engine.target.max_positions
+    for case in cases:
+        if len(case.ids) + a.max_new_tokens >= limit:
+            raise BenchError(f"prompt {case.category}[{case.index}] has {len(case.ids)} tokens: with "
+                             f"--max-new-tokens {a.max_new_tokens} it exceeds the model's context of {limit}")
+    out = run_suite(engine, cases, strategies, a.max_new_tokens, a.temperature, a.repeats, a.seed,
+                    _command(a, out_dir), progress=not a.no_progress)
+    paths = write_report(out, out_dir)
+    print(markdown(out.results))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
+    from .loading import load_default_drafter, load_target
+
+    log = (lambda *x: print(*x, file=sys.stderr))
+    try:
+        target = load_target(a.model, dtype, a.device, progress=log)
+        drafter = load_default_drafter(target, a.drafter, a.model)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot load: {exc}") from None
+    needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
+    if drafter is None and needy:
+        raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
+    return Engine(target, drafter, kernels=a.kernels)
+
+
+def _command(a, out_dir: Path) -> str:
+    """The command line that reproduces this run, every setting spelled out."""
+    argv = ["python", "-m", "bastion", "bench", "--prompts", str(a.prompts), "--strategies", a.strategies,
+            "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--seed", str(a.seed),
+            "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels]
+    for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
+                        ("--device", a.device)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if a.hf_baselines:
+        argv.append("--hf-baselines")
+    return shlex.join(argv + ["--out", str(out_dir)])

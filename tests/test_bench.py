@@ -1,0 +1,109 @@
+"""The benchmark harness end to end on a tiny random model, and its input checks (exit 2, no model)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from bastion import bench
+from bastion.__main__ import main
+from bastion.engine import Engine
+from tiny import tiny_drafter, tiny_target
+
+SUITE = {"_about": "ignored: not a list", "chat": ["hello there", "how are you"], "code": ["def f(x):"],
+         "math": ["2 + 2 =", "3 * 7 =", "not used: over the limit"]}
+
+
+def bench_args(*argv):
+    ap = argparse.ArgumentParser()
+    bench.add_parser(ap.add_subparsers(dest="cmd"))
+    return ap.parse_args(["bench", *argv])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = tiny_target("llama", dtype=torch.float64)
+    return Engine(target, tiny_drafter(target, block_size=6), kernels="torch", stop_ids=set())
+
+
+def encode(text):  # tiny targets have no tokenizer: characters to ids below the mask token
+    return [ord(c) % 90 for c in text]
+
+
+def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(SUITE))
+    out = tmp_path / "out"
+    a = bench_args("--prompts", str(prompts), "--strategies", "ar,chain,fixed:4,fixed:16,bastion", "--hf-baselines",
+                   "--max-new-tokens", "8", "--repeats", "2", "--limit-per-category", "2", "--out", str(out))
+    assert bench.run_bench(a, engine=engine, encode=encode) == 0
+
+    res = json.loads((out / "results.json").read_text())
+    assert {"machine", "command", "strategies", "categories", "prompts"} <= set(res)
+    assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
+    names = ["ar", "chain", "fixed:4", "fixed:16", "bastion", "hf_generate", "hf_prompt_lookup"]
+    assert list(res["strategies"]) == names
+    assert list(res["categories"]) == ["chat", "code", "math"]
+    assert [(p["category"], p["index"]) for p in res["prompts"]] == [("chat", 0), ("chat", 1), ("code", 0),
+                                                                     ("math", 0), ("math", 1)]
+    for name, st in res["strategies"].items():
+        assert st["match_ar"] == 1.0, name  # lossless at T = 0, the transformers baselines included
+        assert st["tokens_per_s"] > 0 and st["speedup_vs_ar"] > 0 and st["tau"] >= 1.0
+        assert st["tokens"] == 5 * 2 * 8 and st["runs"] == 10 and st["peak_rss_mb"] > 0
+        if name.startswith("hf_"):
+            assert st["time_s"] is None and st["mean_tree_size"] is None
+        else:
+            assert set(st["time_fraction"]) == {"draft", "build", "verify", "commit", "other"}
+            assert st["mean_tree_size"] >= 1.0
+        for cat in res["categories"].values():
+            assert cat[name]["match_ar"] == 1.0
+    assert res["strategies"]["ar"]["speedup_vs_ar"] == 1.0 and res["strategies"]["ar"]["tau"] == 1.0
+    assert res["strategies"]["ar"]["mean_tree_size"] == 1.0 and res["strategies"]["chain"]["mean_tree_size"] == 6.0
+    entry = res["prompts"][0]["strategies"]["bastion"]
+    assert entry["first_mismatch"] is None and len(entry["tokens_per_s_runs"]) == 2
+
+    md = (out / "results.md").read_text()
+    assert "| fixed:16 |" in md and "hf_prompt_lookup" in md and res["command"] in md
+    rounds = (out / "rounds.csv").read_text().splitlines()
+    assert rounds[0].startswith("strategy,category,prompt") and len(rounds) > 5 * 2 * 5
+    for png in ("speedup_by_category.png", "tau_vs_tree_size.png", "verify_latency.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| bastion |" in capsys.readouterr().out
+    # the hf baselines switch the feature hooks off while they run, and back on
+    assert engine.target.prefill(torch.tensor([1, 2, 3])).features is not None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "{missing}"], "does not exist"),
+    (["--prompts", "{broken}"], "not valid JSON"),
+    (["--prompts", "{list}"], "JSON object"),
+    (["--prompts", "{empty}"], "no prompts"),
+    (["--strategies", "ar,medusa"], "unknown strategy 'medusa'"),
+    (["--strategies", "fixed:0"], "positive integer"),
+    (["--strategies", "fixed:x"], "positive integer"),
+    (["--strategies", "fixed:-4"], "positive integer"),
+    (["--strategies", "fixed"], "positive integer"),
+    (["--repeats", "0"], "--repeats"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--limit-per-category", "0"], "--limit-per-category"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_input_exits_2_before_loading(argv, message, tmp_path, capsys, monkeypatch):
+    files = {"missing": tmp_path / "nope.json", "broken": tmp_path / "broken.json", "list": tmp_path / "list.json",
+             "empty": tmp_path / "empty.json", "good": tmp_path / "good.json"}
+    files["broken"].write_text("{not json")
+    files["list"].write_text(json.dumps(["a prompt"]))
+    files["empty"].write_text(json.dumps({"_about": "no lists here", "chat": []}))
+    files["good"].write_text(json.dumps(SUITE))
+    argv = [x.format(**files) for x in argv]
+    if "--prompts" not in argv:
+        argv += ["--prompts", str(files["good"])]
+
+    def no_loading(*_args, **_kw):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(bench, "_load_engine", no_loading)
+    assert main(["bench", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "out").exists()
