@@ -1,0 +1,30 @@
+"""Launch the Bastion app: ``python app.py`` serves on 127.0.0.1:7860 (``--host``/``--port`` to change).
+
+On Hugging Face Spaces the file is simply executed; Spaces sets GRADIO_SERVER_NAME/PORT, which
+gradio reads when no host or port is given here.
+"""
+
+import argparse
+import logging
+
+from app.engine_glue import Runtime
+from app.ui import create_app, launch
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Serve the Bastion demo")
+    ap.add_argument("--host", default=None, help="default 127.0.0.1 (or $GRADIO_SERVER_NAME)")
+    ap.add_argument("--port", type=int, default=None, help="default 7860 (or $GRADIO_SERVER_PORT)")
+    ap.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
+    ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    runtime = Runtime.load(a.model, a.device)  # once per process; every session shares it
+    if not a.no_warmup:
+        runtime.warmup()
+    launch(create_app(runtime), a.host, a.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The app's side of the engine: one Runtime per process, JSON step records, model-free re-planning.
+
+A step record is ``Step.to_dict()`` plus a few keys the viewer needs to redraw a round without the
+model (so an exported run replays anywhere):
+
+    texts        {token id: text} for every id the round shows (tree, target choices, drafts)
+    calib        the latency model's fitted state *when this round's tree was built*
+    clock_s      decode seconds spent inside the engine so far (prefill and UI time excluded)
+    overhead_s   T = T_d + T_o the round's decisions used
+    root_cost_s  predicted C(1) at this round's context
+    cost_curve   predicted C(1..n) when the strategy left no decision trace (chain, ar)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from bastion.engine import Engine, GenerationConfig
+from bastion.expansion import BudgetRule, best_first_from_topk
+from bastion.latency import KNOWN_DEVICES, LatencyModel, known_device
+
+THIS_MACHINE = "this machine"
+WHATIF_DEVICES = (THIS_MACHINE, "H200", "H100", "A100")
+# β of a what-if device: one CUDA-graph launch of the verify forward. Real eager PyTorch pays more;
+# the point of the panel is how the budget moves with the roofline, not a per-device benchmark.
+LAUNCH_OVERHEAD_S = 5e-5
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for: keeps a shared CPU Space responsive for everyone."""
+
+    max_prompt_chars: int = 4000
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 512
+    max_nodes: int = 128
+    max_temperature: float = 2.0
+
+
+def calib_snapshot(latency: LatencyModel) -> dict:
+    """The part of the latency model that changes as it calibrates (the specs are stored once per run)."""
+    return {"compute": asdict(latency.compute), "memory": asdict(latency.memory),
+            "draft_s": latency.draft_s, "overhead_s": latency.overhead_s}
+
+
+def latency_from(model_info: dict, calib: dict) -> LatencyModel:
+    """Rebuild the latency model a round used from the run's specs and the round's snapshot."""
+    return LatencyModel.from_dict({"model": model_info["spec"], "hardware": model_info["hardware"], **calib,
+                                   "calibrated": True})
+
+
+def roofline_for(model_info: dict, device: str, beta: float = LAUNCH_OVERHEAD_S) -> LatencyModel:
+    """The analytic roofline of a known GPU (α = 1, β = one launch), with the model in bf16 there."""
+    spec = dict(model_info["spec"], bytes_per_elem=2)
+    hw = asdict(known_device(device, torch.bfloat16))
+    branch = {"alpha": 1.0, "beta": beta}
+    return LatencyModel.from_dict({"model": spec, "hardware": hw, "compute": branch, "memory": dict(branch),
+                                   "calibrated": True})
+
+
+def whatif_model(record: dict, model_info: dict, device: str) -> tuple[LatencyModel, float]:
+    """(latency model, round overhead T) for re-planning a round on ``device``.
+
+    On another device T is scaled by the ratio of one-token verification times, i.e. drafting and
+    bookkeeping are assumed to speed up as much as a one-token target forward does.
+    """
+    here = latency_from(model_info, record["calib"])
+    overhead = record.get("overhead_s") or here.round_overhead()
+    if device == THIS_MACHINE:
+        return here, overhead
+    if device not in KNOWN_DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(WHATIF_DEVICES)}")
+    there = roofline_for(model_info, device)
+    c = max(record["context_len"] - 1, 0)
+    return there, overhead * there.predict(1, c) / max(here.predict(1, c), 1e-12)
+
+
+def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict | None:
+    """Bastion's tree for this round's drafts under ``device``'s latency model, as a step-like dict.
+
+    Uses the recorded top-16 drafter candidates per depth; None when the round has none (AR).
+    """
+    if not record.get("draft_logq") or not record.get("calib"):
+        return None
+    latency, overhead = whatif_model(record, model_info, device)
+    c = max(record["context_len"] - 1, 0)
+    rule = BudgetRule("adaptive", max_nodes=int(settings.get("max_nodes", 128)),
+                      max_depth=len(record["draft_logq"]), min_nodes=int(settings.get("min_nodes", 0)),
+                      lookahead=int(settings.get("lookahead", 8)))
+    exp = best_first_from_topk(record["tree"]["tokens"][0], record["draft_logq"], record["draft_ids"], rule,
+                               lambda n: latency.predict(n, c), overhead)
+    n = len(exp.tree)
+    return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
+            "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,
+            "predicted_verify_s": latency.predict(n, c), "expected_tokens": exp.tree.expected_tokens,
+            "texts": record.get("texts", {}), "accepted": [], "tokens": [], "index": record["index"]}
+
+
+def cost_curves(record: dict, model_info: dict, device: str, max_n: int) -> dict[str, tuple[list, list]]:
+    """Predicted C(n) for n = 1..max_n at this round's context: calibrated here, plus ``device``'s."""
+    c = max(record["context_len"] - 1, 0)
+    sizes = list(range(1, max_n + 1))
+    curves = {}
+    if record.get("calib"):
+        curves["this machine (calibrated)"] = (sizes, latency_from(model_info, record["calib"]).curve(sizes, c))
+    if device != THIS_MACHINE and device in KNOWN_DEVICES:
+        curves[f"{device} roofline (bf16, α=1)"] = (sizes, roofline_for(model_info, device).curve(sizes, c))
+    return curves
+
+
+class Runtime:
+    """The engine shared by every session, with a lock so only one generation touches it at a time.
+
+    Gradio's queue already runs one model event at a time; the lock and the run counter also cover
+    a cancelled run whose last engine call is still finishing when the next run starts.
+    """
+
+    def __init__(self, engine: Engine, name: str = "model",
+                 drafter_loader: Callable[[], object | None] | None = None, limits: Limits | None = None):
+        self.engine, self.name, self.drafter_loader = engine, name, drafter_loader
+        self.limits = limits or Limits()
+        self.lock = threading.Lock()
+        self._run_id = 0
+        self.drafter_error = ""
+
+    @classmethod
+    def load(cls, model: str = "embedded", device: str | None = None) -> "Runtime":
+        """The real target (fp32: verification must match plain decoding) and the shipped drafter if present."""
+        from bastion.loading import load_default_drafter, load_target
+
+        target = load_target(model, torch.float32, device)
+        loader = (lambda: load_default_drafter(target, None, model))
+        name = "SmolLM2-135M-Instruct (embedded)" if model == "embedded" else model
+        return cls(Engine(target, loader()), name, loader)
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.engine.drafter is not None
+
+    def refresh_drafter(self) -> bool:
+        """Load the drafter if it appeared since start (keeps the calibrated latency model)."""
+        if self.has_drafter or self.drafter_loader is None:
+            return self.has_drafter
+        with self.lock:
+            try:
+                drafter = self.drafter_loader()
+            except (OSError, ValueError, RuntimeError, KeyError) as exc:
+                self.drafter_error = f"drafter failed to load: {exc}"
+                return False
+            if drafter is not None:
+                self.engine = Engine(self.engine.target, drafter, latency=self.engine.latency)
+                self.drafter_error = ""
+        return self.has_drafter
+
+    def model_info(self) -> dict:
+        target, latency = self.engine.target, self.engine.latency
+        return {"name": self.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+                "spec": asdict(latency.model), "hardware": asdict(latency.hardware),
+                "has_tokenizer": target.tokenizer is not None, "has_drafter": self.has_drafter,
+                "block_size": self.engine.drafter.block_size if self.has_drafter else None}
+
+    def describe(self) -> str:
+        hw = self.engine.latency.hardware
+        return (f"{self.name} · {self.model_info()['dtype']} on {self.engine.target.device} "
+                f"({hw.name}: {hw.flops / 1e9:.0f} GFLOP/s, {hw.bandwidth / 1e9:.0f} GB/s)")
+
+    def encode(self, prompt: str) -> list[int]:
+        """Chat-template ids; a tokenizer-free test model gets one id per character instead."""
+        tok = self.engine.target.tokenizer
+        if tok is None:
+            vocab = self.engine.target.vocab_size
+            return [1 + ord(ch) % (vocab - 2) for ch in prompt]  # never 0 or the drafter's mask id
+        from bastion.loading import encode_prompt
+
+        return encode_prompt(tok, prompt)
+
+    def texts(self, ids: set[int]) -> dict[str, str]:
+        tok = self.engine.target.tokenizer
+        if tok is None:
+            return {str(i): str(i) for i in ids}
+        return {str(i): tok.decode([i]) for i in sorted(ids)}
+
+    def warmup(self) -> None:
+        """A few tokens per strategy so the first measured run is not paying one-time costs."""
+        ids = self.encode("Hello")
+        for strategy in ("ar", "bastion") if self.has_drafter else ("ar",):
+            for _ in self.stream(ids, GenerationConfig(strategy=strategy, max_new_tokens=8)):
+                pass
+
+    def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
+        """Step records of one generation; the engine runs only inside ``next()``, under the lock."""
+        with self.lock:
+            self._run_id += 1
+            run_id, engine = self._run_id, self.engine
+            calib = calib_snapshot(engine.latency)
+        steps = engine.generate(prompt_ids, cfg)
+        clock = 0.0
+        while True:
+            with self.lock:
+                if run_id != self._run_id:
+                    raise RuntimeError("this run was superseded by a newer one")
+                t0 = time.perf_counter()
+                step = next(steps, None)
+                clock += time.perf_counter() - t0
+                after = calib_snapshot(engine.latency)
+            if step is None:
+                return
+            if step.index == 0:
+                clock -= step.prefill_s
+            yield self._record(step, calib, clock)
+            calib = after  # the state the next round's decisions will use
+
+    def _record(self, step, calib: dict, clock: float) -> dict:
+        rec = step.to_dict()
+        specs = {"spec": asdict(self.engine.latency.model), "hardware": asdict(self.engine.latency.hardware)}
+        latency = latency_from(specs, calib)
+        c = max(step.context_len - 1, 0)
+        ids = set(step.tree.tokens) | set(step.choices) | set(step.tokens) | {step.bonus}
+        ids.update(i for row in step.draft_ids for i in row)
+        rec.update(calib=calib, clock_s=round(clock, 6), overhead_s=round(latency.round_overhead(), 6),
+                   root_cost_s=latency.predict(1, c), texts=self.texts(ids))
+        if not step.trace:
+            rec["cost_curve"] = [round(latency.predict(n, c), 7) for n in range(1, len(step.tree) + 1)]
+        return rec

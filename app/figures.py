@@ -1,0 +1,309 @@
+"""Pure figure builders: JSON step records (see app.engine_glue) in, plotly figures or HTML out.
+
+Nothing here touches a model, gradio or session state, so any round of a live, stopped or imported
+run redraws the same way. Sizes n count tree nodes including the root, as in C(n) and S_n.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import textwrap
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+COLORS = {"accepted": "#2a9d8f", "rejected": "#adb5bd", "bonus": "#e76f51", "root": "#264653",
+          "predicted": "#457b9d", "measured": "#e63946", "ar": "#8d99ae", "main": "#2a9d8f",
+          "draft": "#8ecae6", "build": "#ffb703", "verify": "#219ebc", "commit": "#fb8500"}
+STAGES = ("draft", "build", "verify", "commit")
+FONT = dict(family="Inter, system-ui, sans-serif", size=12)
+
+
+def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    # legends go under the plot: above it they collide with titles and subplot titles
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), height=height, font=FONT,
+                      margin=dict(l=55, r=25, t=60, b=40), template="plotly_white",
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, x=0, font=dict(size=11)))
+    return fig
+
+
+def empty_figure(message: str, height: int = 320) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font=dict(size=14, color="#6c757d"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _base_layout(fig, "", height)
+
+
+def token_label(text: str, limit: int = 10) -> str:
+    """A short visible form of a token: line breaks and blanks made visible, long tokens cut."""
+    shown = text.replace("\n", "⏎").replace("\t", "⇥")
+    if not shown.strip():
+        shown = "␣" * max(1, min(len(shown), 3))
+    return shown if len(shown) <= limit else shown[:limit - 1] + "…"
+
+
+def _text(step: dict, token: int) -> str:
+    return step.get("texts", {}).get(str(token), str(token))
+
+
+# ----------------------------------------------------------------------------- draft tree
+def tree_layout(parents: list[int]) -> tuple[list[int], list[float]]:
+    """Tidy layout: x = depth; leaves get consecutive rows in depth-first (pop) order and a parent
+    sits midway between its first and last child, so same-depth nodes are always >= 1 row apart."""
+    n = len(parents)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        if p >= 0:
+            kids[p].append(i)
+            depth[i] = depth[p] + 1
+    rows = [0.0] * n
+    next_row = 0
+    stack = [(0, False)] if n else []
+    while stack:  # iterative post-order: children are placed before their parent
+        node, done = stack.pop()
+        if not kids[node]:
+            rows[node], next_row = float(next_row), next_row + 1
+        elif done:
+            rows[node] = (rows[kids[node][0]] + rows[kids[node][-1]]) / 2
+        else:
+            stack.append((node, True))
+            stack.extend((k, False) for k in reversed(kids[node]))
+    return depth, rows
+
+
+def node_status(step: dict) -> list[str]:
+    """'accepted' / 'rejected' per tree node, plus a trailing 'bonus' node when the bonus was committed."""
+    n = len(step["tree"]["tokens"])
+    accepted = set(step["accepted"])
+    status = ["accepted" if i in accepted else "rejected" for i in range(n)]
+    if len(step["tokens"]) == len(step["accepted"]):  # not cut by a stop token or the length limit
+        status.append("bonus")
+    return status
+
+
+def _hover(step: dict, i: int, status: str) -> str:
+    tree = step["tree"]
+    if status == "bonus":
+        return (f"<b>{html.escape(repr(_text(step, step['bonus'])))}</b> (id {step['bonus']})<br>"
+                "bonus token: the target's own choice after the accepted path")
+    choice = step["choices"][i] if i < len(step.get("choices", [])) else None
+    lines = [f"<b>{html.escape(repr(_text(step, tree['tokens'][i])))}</b> (id {tree['tokens'][i]})",
+             f"depth {tree['depths'][i]} · pop order {i}",
+             f"marginal q = {tree['marginals'][i]:.3g} · path P = {tree['path_probs'][i]:.3g}"]
+    if choice is not None:
+        lines.append(f"target chose here: {html.escape(repr(_text(step, choice)))}")
+    lines.append(status)
+    return "<br>".join(lines)
+
+
+def tree_figure(step: dict) -> go.Figure:
+    """The round's draft tree, depth left to right; bold edges mark the accepted path."""
+    tree = step["tree"]
+    status = node_status(step)
+    parents = list(tree["parents"]) + ([step["accepted"][-1]] if status[-1] == "bonus" else [])
+    depth, rows = tree_layout(parents)
+    probs = list(tree["path_probs"]) + ([1.0] if status[-1] == "bonus" else [])
+    labels = [token_label(_text(step, t)) for t in tree["tokens"]] + \
+             ([token_label(_text(step, step["bonus"]))] if status[-1] == "bonus" else [])
+    fig = go.Figure()
+    for kind, width, dash, color in (("rejected", 1, "solid", COLORS["rejected"]),
+                                     ("accepted", 4, "solid", COLORS["accepted"]),
+                                     ("bonus", 3, "dot", COLORS["bonus"])):
+        xs, ys = [], []
+        for i in range(1, len(parents)):
+            if status[i] == kind:
+                xs += [depth[parents[i]], depth[i], None]
+                ys += [-rows[parents[i]], -rows[i], None]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(width=width, color=color, dash=dash),
+                                 hoverinfo="skip", showlegend=False))
+    leaves = max(rows) + 1 if rows else 1
+    small = leaves > 40
+    for kind in ("rejected", "accepted", "bonus"):
+        idx = [i for i, s in enumerate(status) if s == kind]
+        if not idx:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[depth[i] for i in idx], y=[-rows[i] for i in idx], mode="markers+text", name=kind,
+            text=[labels[i] for i in idx], textposition="middle right",
+            textfont=dict(size=9 if small else 11, color="#212529"),
+            marker=dict(size=[7 + 18 * math.sqrt(probs[i]) for i in idx], color=COLORS[kind],
+                        opacity=[0.45 + 0.55 * probs[i] for i in idx], line=dict(width=1, color="#343a40"),
+                        symbol="diamond" if kind == "bonus" else "circle"),
+            hovertext=[_hover(step, i, kind) for i in idx], hoverinfo="text"))
+    n_acc = len(step["accepted"]) - 1
+    title = (f"Round {step['index']}: tree of {len(tree['tokens'])} nodes, {n_acc} accepted"
+             f"{' + bonus' if status[-1] == 'bonus' else ''} ({step['strategy']})")
+    fig.update_xaxes(title="depth", dtick=1, range=[-0.4, max(depth) + 1.2], zeroline=False)
+    fig.update_yaxes(visible=False, range=[-leaves + 0.3, 0.7])
+    fig = _base_layout(fig, title, int(min(1100, max(360, 60 + 18 * leaves))))
+    fig.update_layout(legend=dict(y=1.0, yanchor="bottom", x=1.0, xanchor="right"))
+    return fig
+
+
+# ----------------------------------------------------------------------------- gain vs cost
+def gain_cost_points(step: dict) -> dict:
+    """Per tree size n in pop order: S_n, predicted C(n), predicted throughput, and whether the rule took it.
+
+    The root (n = 1, S = 1) comes first; a strategy without a decision trace (chain) uses the tree's
+    cumulative path confidences and the recorded C(1..n).
+    """
+    overhead = float(step.get("overhead_s") or step.get("round_overhead_s") or 0.0)
+    rows = []
+    if step.get("root_cost_s") is not None:
+        rows.append((1, 1.0, float(step["root_cost_s"]), True))
+    if step.get("trace"):
+        rows += [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]]
+    elif step.get("cost_curve"):
+        total = 0.0
+        rows = []
+        for k, (p, c) in enumerate(zip(step["tree"]["path_probs"], step["cost_curve"])):
+            total += p
+            rows.append((k + 1, total, c, True))
+    n, s, c, added = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+    thr = [si / (overhead + ci) if overhead + ci > 0 else 0.0 for si, ci in zip(s, c)]
+    return {"n": n, "S": s, "C": c, "throughput": thr, "added": added, "overhead": overhead}
+
+
+def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
+    """S_n and predicted throughput (top), predicted C(n) (bottom); a line where the tree stopped."""
+    pts = gain_cost_points(step)
+    if not pts["n"]:
+        return empty_figure("no size decisions in this round")
+    chosen = len(step["tree"]["tokens"])
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.58, 0.42], vertical_spacing=0.06,
+                        specs=[[{"secondary_y": True}], [{}]])
+    sym = ["circle" if a else "circle-open" for a in pts["added"]]
+    fig.add_trace(go.Scatter(x=pts["n"], y=pts["S"], name="S_n expected tokens (open: not taken)", mode="lines+markers",
+                             marker=dict(symbol=sym, size=6), line=dict(color=COLORS["accepted"])), row=1, col=1)
+    fig.add_trace(go.Scatter(x=pts["n"], y=pts["throughput"], name="predicted tok/s = S_n/(T+C(n))",
+                             mode="lines", line=dict(color=COLORS["predicted"], dash="dot")),
+                  row=1, col=1, secondary_y=True)
+    fig.add_trace(go.Scatter(x=pts["n"], y=[1e3 * c for c in pts["C"]], name="predicted C(n)", mode="lines+markers",
+                             marker=dict(symbol=sym, size=5), line=dict(color=COLORS["predicted"])), row=2, col=1)
+    if step.get("tokens"):
+        fig.add_trace(go.Scatter(x=[chosen], y=[len(step["tokens"])], name="committed (actual)", mode="markers",
+                                 marker=dict(symbol="star", size=15, color=COLORS["measured"])), row=1, col=1)
+    if step.get("measured_verify_s"):
+        fig.add_trace(go.Scatter(x=[chosen], y=[1e3 * step["measured_verify_s"]], name="measured verify",
+                                 mode="markers", marker=dict(symbol="diamond", size=12, color=COLORS["measured"])),
+                      row=2, col=1)
+    fig.add_vline(x=chosen, line=dict(color=COLORS["bonus"], width=2, dash="dash"))
+    fig.add_annotation(text=f"stop: n = {chosen}", x=chosen, y=1.0, xref="x", yref="paper", yanchor="bottom",
+                       showarrow=False, font=dict(size=11, color=COLORS["bonus"]),
+                       xanchor="left" if chosen < max(pts["n"]) * 0.6 else "right")
+    fig.update_yaxes(title_text="tokens", row=1, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="tok/s", row=1, col=1, secondary_y=True, showgrid=False)
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_xaxes(title_text="tree size n (pop order, root included)", row=2, col=1)
+    title = title or f"Round {step['index']}: gain vs cost"
+    reason = "<br>".join(textwrap.wrap(html.escape(step.get("stop_reason", "")), 70)[:2])
+    title += f" (T = {1e3 * pts['overhead']:.3g} ms)<br><sup>{reason}</sup>"
+    fig = _base_layout(fig, title, 470)
+    fig.update_layout(margin=dict(t=80), legend=dict(y=-0.16))
+    return fig
+
+
+# ----------------------------------------------------------------------------- speed against AR
+def _rate_series(records: list[dict]) -> tuple[list[float], list[float]]:
+    """(decode seconds, cumulative tokens/s) after every round."""
+    xs, ys, total = [], [], 0
+    for r in records:
+        total += len(r["tokens"])
+        t = float(r.get("clock_s", r.get("elapsed_s", 0.0)))
+        if t > 0:
+            xs.append(t)
+            ys.append(total / t)
+    return xs, ys
+
+
+def _ms_per_token(records: list[dict]) -> list[float]:
+    tokens = max(1, sum(len(r["tokens"]) for r in records))
+    return [1e3 * sum(r["times"][k] for r in records) / tokens for k in STAGES]
+
+
+def speed_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
+    """Tokens/s of the AR baseline and of the chosen strategy over decode time, and ms/token per stage."""
+    if not baseline and not steps:
+        return empty_figure("run a prompt to measure speed")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.14,
+                        subplot_titles=("tokens/s so far (decode time)", "ms per token by stage"))
+    runs = [(name, recs) for name, recs in (("AR baseline", baseline), (steps[0]["strategy"] if steps else "", steps))
+            if recs]
+    for name, recs in runs:
+        xs, ys = _rate_series(recs)
+        color = COLORS["ar"] if recs is baseline else COLORS["main"]
+        fig.add_trace(go.Scatter(x=xs, y=ys, name=name, mode="lines", line=dict(color=color, width=3)), row=1, col=1)
+    for k, stage in enumerate(STAGES):
+        fig.add_trace(go.Bar(y=[name for name, _ in runs], x=[_ms_per_token(recs)[k] for _, recs in runs],
+                             name=stage, orientation="h", marker_color=COLORS[stage]), row=1, col=2)
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="s", row=1, col=1)
+    fig.update_xaxes(title_text="ms / token", row=1, col=2)
+    title = "Speed"
+    if baseline and steps:
+        ar = _rate_series(baseline)[1]
+        main = _rate_series(steps)[1]
+        if ar and main and ar[-1] > 0:
+            tau = sum(len(r["tokens"]) for r in steps) / len(steps)
+            title = (f"{steps[0]['strategy']} {main[-1]:.1f} tok/s vs AR {ar[-1]:.1f} tok/s: "
+                     f"speedup {main[-1] / ar[-1]:.2f}×, τ = {tau:.2f}")
+    return _base_layout(fig, title, 380)
+
+
+# ----------------------------------------------------------------------------- latency model
+def latency_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, list]]) -> go.Figure:
+    """Left: predicted vs measured verification time per round. Right: C(n) curves at round ``index``'s
+    context with every round's measured (size, time) point."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("verification time per round", f"C(n) at round {index}'s context"))
+    rounds = [r["index"] for r in steps]
+    fig.add_trace(go.Scatter(x=rounds, y=[1e3 * r["predicted_verify_s"] for r in steps], name="predicted",
+                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["predicted"])),
+                  row=1, col=1)
+    fig.add_trace(go.Scatter(x=rounds, y=[1e3 * r["measured_verify_s"] for r in steps], name="measured",
+                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["measured"])),
+                  row=1, col=1)
+    fig.add_vline(x=index, line=dict(color="#6c757d", dash="dot"), row=1, col=1)
+    dashes = iter(("solid", "dash", "dot", "dashdot"))
+    for name, (ns, secs) in curves.items():
+        fig.add_trace(go.Scatter(x=ns, y=[1e3 * s for s in secs], name=name, mode="lines",
+                                 line=dict(dash=next(dashes, "solid"), width=2)), row=1, col=2)
+    fig.add_trace(go.Scatter(x=[len(r["tree"]["tokens"]) for r in steps],
+                             y=[1e3 * r["measured_verify_s"] for r in steps], name="measured (all rounds)", mode="markers",
+                             marker=dict(color=COLORS["measured"], size=6, opacity=0.5)), row=1, col=2)
+    fig.update_yaxes(title_text="ms", row=1, col=1)
+    fig.update_yaxes(title_text="ms (log)", type="log", row=1, col=2)
+    fig.update_xaxes(title_text="round", row=1, col=1)
+    fig.update_xaxes(title_text="tree size n", row=1, col=2)
+    return _base_layout(fig, "Latency model: online-calibrated roofline", 420)
+
+
+# ----------------------------------------------------------------------------- text
+_SPAN = {"acc": "background:#d8f3dc;border-bottom:2px solid #2a9d8f;",
+         "bonus": "background:#ffe8d6;border-bottom:2px solid #e76f51;"}
+
+
+def tokens_html(steps: list[dict], selected: int | None = None, sep: str = "") -> str:
+    """The generated text, one span per token coloured by how it came; hover shows the round."""
+    out = []
+    for s in steps:
+        n_acc = len(s["accepted"]) - 1
+        spans = []
+        for j, text in enumerate(s["token_texts"]):
+            kind = "acc" if j < n_acc else "bonus"
+            what = "accepted draft token" if kind == "acc" else "bonus token (target's own)"
+            spans.append(f'<span class="tok {kind}" style="{_SPAN[kind]}" title="round {s["index"]} · {what}">'
+                         f'{html.escape(text)}</span>')
+        ring = "outline:2px solid #264653;" if s["index"] == selected else ""
+        out.append(f'<span class="round" data-round="{s["index"]}" style="margin-right:1px;{ring}">'
+                   f'{"".join(spans)}</span>')
+    legend = (f'<div style="font-size:12px;color:#6c757d;margin-bottom:6px"><span style="{_SPAN["acc"]}">'
+              f'accepted draft</span> <span style="{_SPAN["bonus"]}">bonus (target)</span> · hover a token for '
+              f'its round{" · outlined: the round shown below" if selected is not None else ""}</div>')
+    body = sep.join(out) if out else '<span style="color:#adb5bd">the output appears here</span>'
+    return (f'<div class="bastion-text">{legend}<div style="white-space:pre-wrap;line-height:1.7;'
+            f'font-size:15px">{body}</div></div>')

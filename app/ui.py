@@ -1,0 +1,131 @@
+"""Layout and event wiring of the Bastion app, kept apart from the handlers they call.
+
+``create_app(runtime)`` builds the page around an injected :class:`Runtime` (tests pass one on tiny
+random models); ``launch`` serves it. Model work (the Run button and the ``/generate`` API) shares
+one queue slot (concurrency id "model", limit 1); redraws from session state run beside it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gradio as gr
+
+from bastion.loading import EVAL_PROMPTS
+
+from .engine_glue import THIS_MACHINE, WHATIF_DEVICES, Runtime
+from .figures import empty_figure, tokens_html
+from .handlers import VIEW_FIELDS, Handlers
+
+TITLE = "Bastion: budget-aware tree speculative decoding"
+INTRO = (f"# {TITLE}\nA block-diffusion drafter proposes per-depth marginals; a draft tree grows best-first and "
+         "stops where one more node would lower predicted throughput S_n / (T_d + T_o + C(n)), with C(n) from an "
+         "online-calibrated roofline; the target verifies the whole tree in one forward and the output stays "
+         "exactly the target's (lossless).")
+MAX_UPLOAD = "20mb"
+
+
+def load_prompts() -> dict[str, list[str]]:
+    """Chat / code / math example prompts from assets/eval_prompts.json (none if the file is absent)."""
+    try:
+        data = json.loads(EVAL_PROMPTS.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: [p for p in v if isinstance(p, str)] for k, v in data.items() if isinstance(v, list)}
+
+
+def _inputs(prompts: dict, limits, default_strategy: str) -> dict:
+    c = {"prompt": gr.Textbox(label="Prompt", lines=4, max_lines=12, elem_id="prompt",
+                              placeholder="Ask something, or pick an example below")}
+    with gr.Tabs():
+        for kind in ("chat", "code", "math"):
+            if prompts.get(kind):
+                with gr.Tab(f"{kind} examples"):
+                    gr.Examples([[p] for p in prompts[kind]], inputs=[c["prompt"]], label=None,
+                                examples_per_page=4)
+    c["strategy"] = gr.Radio([("Bastion (budget-aware tree)", "bastion"), ("DFlash chain", "chain"),
+                              ("Fixed tree (budget N)", "fixed"), ("AR (no drafter)", "ar")],
+                             value=default_strategy, label="Strategy", elem_id="strategy")
+    c["budget"] = gr.Slider(1, limits.max_nodes, value=32, step=1, label="Fixed-tree budget N (draft nodes)")
+    with gr.Row():
+        c["temperature"] = gr.Slider(0.0, limits.max_temperature, value=0.0, step=0.05, label="Temperature")
+        c["top_p"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+    with gr.Row():
+        c["max_new_tokens"] = gr.Slider(1, limits.max_new_tokens, value=96, step=1, label="Max new tokens",
+                                         elem_id="max-new-tokens")
+        c["seed"] = gr.Number(0, precision=0, minimum=0, label="Seed")
+    c["baseline"] = gr.Checkbox(True, label="Measure AR baseline first (reused while prompt and settings repeat)")
+    with gr.Row():
+        c["run"] = gr.Button("Run", variant="primary", elem_id="run-btn")
+        c["stop"] = gr.Button("Stop", variant="stop", elem_id="stop-btn")
+    c["message"] = gr.Markdown(elem_id="message")
+    return c
+
+
+def _layout(handlers: Handlers, prompts: dict) -> dict:
+    rt = handlers.runtime
+    c = {"banner": gr.Markdown(handlers.banner(), elem_id="banner")}
+    with gr.Row():
+        with gr.Column(scale=2, min_width=340):
+            c.update(_inputs(prompts, rt.limits, "bastion" if rt.has_drafter else "ar"))
+        with gr.Column(scale=3):
+            c["text"] = gr.HTML(tokens_html([]), label="Output", elem_id="output-text")
+            c["stats"] = gr.Markdown(elem_id="stats")
+            c["speed"] = gr.Plot(empty_figure("speed against AR"), label="Speed against AR", elem_id="speed-plot")
+    c["scrubber"] = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="scrubber",
+                              label="Round (redraws from session state, no model run)")
+    with gr.Row():
+        c["tree"] = gr.Plot(empty_figure("draft tree"), label="Draft tree", scale=3, elem_id="tree-plot")
+        c["gain"] = gr.Plot(empty_figure("gain vs cost"), label="Gain vs cost", scale=2, elem_id="gain-plot")
+    with gr.Accordion("Latency model and what-if hardware", open=True):
+        c["device"] = gr.Dropdown(list(WHATIF_DEVICES), value=THIS_MACHINE, label="What-if hardware",
+                                  info="re-plan the shown round's tree under another device's roofline",
+                                  elem_id="device")
+        c["whatif_md"] = gr.Markdown()
+        with gr.Row():
+            c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", scale=3)
+            c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=2)
+    with gr.Row():
+        c["export"] = gr.Button("Export run as JSON", elem_id="export-btn")
+        c["export_file"] = gr.File(label="Run file", interactive=False, visible=False, elem_id="export-file")
+        c["upload"] = gr.UploadButton("Load a run JSON (replay, no model)", file_types=[".json"], type="filepath",
+                                      elem_id="upload-btn")
+    c["state"] = gr.State(None)
+    return c
+
+
+def _wire(handlers: Handlers, c: dict) -> None:
+    view = [c[name] for name in VIEW_FIELDS]
+    settings = [c[k] for k in ("prompt", "strategy", "budget", "temperature", "top_p", "max_new_tokens", "seed",
+                               "baseline", "device", "state")]
+    running = c["run"].click(handlers.run, settings, view, api_name="run", api_visibility="undocumented",
+                             concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+    c["stop"].click(handlers.stopped, [c["state"], c["device"]], view, cancels=[running], api_visibility="private")
+    redraw = dict(fn=handlers.show_round, inputs=[c["state"], c["scrubber"], c["device"]], outputs=view,
+                  show_progress="hidden", trigger_mode="always_last")
+    c["scrubber"].input(**redraw, api_name="show_round", api_visibility="undocumented")
+    c["device"].input(**redraw, api_visibility="private")
+    c["export"].click(handlers.export, [c["state"]], [c["export_file"]], api_name="export",
+                      api_visibility="undocumented")
+    c["upload"].upload(handlers.load, [c["upload"], c["device"]], view, api_visibility="private")
+    gr.api(handlers.generate, api_name="generate", concurrency_id="model", concurrency_limit=1)
+
+
+def create_app(runtime: Runtime) -> gr.Blocks:
+    """The whole page around one shared Runtime; every session keeps its own run in gr.State."""
+    handlers = Handlers(runtime)
+    empty_figure("warm-up")  # plotly builds its validators on first use: pay that at start, not in a handler
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:  # exported files live an hour
+        gr.Markdown(INTRO)
+        c = _layout(handlers, load_prompts())
+        _wire(handlers, c)
+        demo.load(handlers.on_load, None, [c["banner"], c["strategy"]], api_visibility="private")
+    demo.queue(default_concurrency_limit=4, max_size=64)
+    return demo
+
+
+def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, **kwargs):
+    """Serve the app; host/port None defer to GRADIO_SERVER_NAME/PORT (set by Spaces), else 127.0.0.1:7860."""
+    return demo.launch(server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=["api", "gradio"],
+                       run_history=False, state_session_capacity=100,  # a run can hold a few MB
+                       **kwargs)

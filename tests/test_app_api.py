@@ -1,0 +1,199 @@
+"""The app in-process on tiny random models: the /generate API, session isolation, bad input, replay."""
+
+import json
+import socket
+import threading
+
+import pytest
+import torch
+
+gr = pytest.importorskip("gradio")
+from gradio_client import Client  # noqa: E402
+from gradio_client.exceptions import AppError  # noqa: E402
+
+from app.engine_glue import THIS_MACHINE, Runtime, replan  # noqa: E402
+from app.handlers import VIEW_FIELDS, Handlers, execute, parse_settings, start_run  # noqa: E402
+from app.state import export_run, load_run, run_summary  # noqa: E402
+from app.ui import create_app, launch  # noqa: E402
+from bastion.engine import Engine  # noqa: E402
+from tiny import tiny_drafter, tiny_target  # noqa: E402
+
+RECORD_KEYS = {"index", "tree", "trace", "accepted", "choices", "tokens", "token_texts", "bonus", "calib",
+               "clock_s", "texts", "times", "predicted_verify_s", "measured_verify_s", "draft_logq"}
+
+
+def tiny_runtime(drafter: bool = True) -> Runtime:
+    target = tiny_target()
+    return Runtime(Engine(target, tiny_drafter(target) if drafter else None), "tiny random llama")
+
+
+class SharpDrafter:
+    """A tiny drafter with peaked marginals (log q scaled, renormalised), so Bastion's trees stay small."""
+
+    def __init__(self, inner, factor: float = 6.0):
+        self.inner, self.cfg, self.block_size, self.factor = inner, inner.cfg, inner.block_size, factor
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def extend_cache(self, cache, features):
+        self.inner.extend_cache(cache, features)
+
+    def draft(self, cache, root, embed, lm_head):
+        return torch.log_softmax(self.factor * self.inner.draft(cache, root, embed, lm_head), dim=-1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    demo = create_app(tiny_runtime())
+    _, url, _ = launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
+    yield url
+    demo.close()
+
+
+def settings(runtime, prompt="hello", strategy="bastion", **kw):
+    args = dict(budget=8, temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0) | kw
+    return parse_settings(runtime, prompt, strategy, args["budget"], args["temperature"], args["top_p"],
+                          args["max_new_tokens"], args["seed"])
+
+
+def test_generate_streams_step_records(server):
+    client = Client(server, verbose=False)
+    params = [p["parameter_name"] for p in client.view_api(return_format="dict", print_info=False)
+              ["named_endpoints"]["/generate"]["parameters"]]
+    assert params[0] == "prompt"
+    job = client.submit(prompt="hello world", strategy="bastion", max_new_tokens=12, api_name="/generate")
+    final = job.result(timeout=120)
+    outputs = job.outputs()
+    steps = [o for o in outputs if o["event"] == "step"]
+    assert steps and RECORD_KEYS <= set(steps[0]["step"])
+    assert [s["step"]["index"] for s in steps] == list(range(len(steps)))
+    assert final["event"] == "done" and final["stats"]["main"]["tokens"] == 12
+    assert sum(len(s["step"]["tokens"]) for s in steps) == 12
+    assert final["text"] == steps[-1]["text"]
+
+
+def test_generate_defaults_and_lossless_baseline(server):
+    client = Client(server, verbose=False)
+    assert client.predict(prompt="hi", api_name="/generate")["event"] == "done"  # every other setting defaulted
+    out = client.predict(prompt="hi there", strategy="fixed", budget=6, max_new_tokens=10, baseline=True,
+                         api_name="/generate")
+    assert out["stats"]["baseline"]["tau"] == 1.0 and out["stats"]["identical_to_ar"] is True
+    assert out["stats"]["speedup"] > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompt="   "), "enter a prompt"),
+    (dict(prompt="x" * 5000), "characters"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top-p"),
+    (dict(prompt="hi", max_new_tokens=100000), "max new tokens"),
+    (dict(prompt="hi", strategy="beam"), "Unknown strategy"),
+])
+def test_generate_rejects_bad_input_with_a_message(server, kwargs, message):
+    with pytest.raises(AppError, match=message):
+        Client(server, verbose=False).predict(**kwargs, api_name="/generate")
+
+
+def _run_ui(client: Client, prompt: str) -> None:
+    client.predict(prompt, "bastion", 8, 0.0, 1.0, 10, 0, False, THIS_MACHINE, api_name="/run")
+
+
+def test_two_sessions_do_not_see_each_others_runs(server):
+    a, b = Client(server, verbose=False), Client(server, verbose=False)
+    threads = [threading.Thread(target=_run_ui, args=(c, p)) for c, p in ((a, "alpha prompt"), (b, "beta"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for client, prompt in ((a, "alpha prompt"), (b, "beta")):
+        exported = client.predict(api_name="/export")
+        path = exported["value"] if isinstance(exported, dict) else exported
+        run = load_run(path)
+        assert run["prompt"] == prompt and run["steps"]
+    fresh = Client(server, verbose=False)  # a new session has nothing to redraw
+    nothing = fresh.predict(0, THIS_MACHINE, api_name="/show_round")
+    assert all(isinstance(x, dict) and x.get("__type__") == "update" for x in nothing)
+
+
+def test_no_drafter_means_ar_only_until_one_appears():
+    rt = tiny_runtime(drafter=False)
+    with pytest.raises(ValueError, match="only AR"):
+        settings(rt)
+    assert settings(rt, strategy="auto")[1].strategy == "ar"
+    drafter = tiny_drafter(rt.engine.target)
+    rt.drafter_loader = lambda: drafter
+    latency = rt.engine.latency
+    assert settings(rt, strategy="auto")[1].strategy == "bastion"
+    assert rt.engine.drafter is drafter and rt.engine.latency is latency  # calibration kept
+
+
+def _full_run(rt, strategy="bastion", baseline=True, **kw):
+    s, cfg = settings(rt, strategy=strategy, **kw)
+    run, ids = start_run(rt, "a prompt for the tests", s)
+    for _ in execute(rt, run, ids, cfg, baseline):
+        pass
+    return run
+
+
+def test_replan_on_this_machine_reproduces_bastions_trees():
+    target = tiny_target()
+    rt = Runtime(Engine(target, SharpDrafter(tiny_drafter(target))), "tiny, peaked drafter")
+    run = _full_run(rt, max_new_tokens=24)
+    checked = 0
+    for rec in run["steps"]:
+        if max(rec["tree"]["ranks"]) < 8:  # the replay sees only the recorded top-16 per depth
+            tree = replan(rec, run["model"], THIS_MACHINE, run["settings"])["tree"]
+            assert (tree["tokens"], tree["parents"]) == (rec["tree"]["tokens"], rec["tree"]["parents"])
+            assert tree["path_probs"] == pytest.approx(rec["tree"]["path_probs"], abs=1e-3)  # log q kept to 4 digits
+            checked += 1
+    assert checked
+    h200 = replan(run["steps"][-1], run["model"], "H200", run["settings"])
+    assert len(h200["tree"]["tokens"]) >= len(run["steps"][-1]["tree"]["tokens"])  # a flat roofline grows trees
+
+
+def test_export_import_roundtrip_and_bad_files(tmp_path):
+    rt = tiny_runtime()
+    run = _full_run(rt, strategy="chain", max_new_tokens=10)
+    assert run_summary(run)["identical_to_ar"] is True
+    handlers = Handlers(rt)
+    view = dict(zip(VIEW_FIELDS, handlers.load(export_run(run, tmp_path), THIS_MACHINE)))
+    assert view["state"]["steps"] == json.loads(json.dumps(run["steps"])) and "Replaying" in view["message"]
+    broken = dict(run, steps=[dict(run["steps"][0], accepted=[0, 999])])
+    bad = {"not json": "{oops", "foreign": json.dumps({"hello": 1}), "list": "[1, 2]",
+           "broken": json.dumps(broken), "empty": json.dumps(dict(run, steps=[]))}
+    for name, text in bad.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.warns(UserWarning):
+            view = dict(zip(VIEW_FIELDS, handlers.load(str(path), THIS_MACHINE)))
+        assert view["message"].startswith("⚠️") and view["state"] == gr.skip(), name
+
+
+def test_stop_leaves_the_session_usable():
+    rt = tiny_runtime()
+    handlers = Handlers(rt)
+    args = ("hello", "bastion", 8, 0.0, 1.0, 40, 0, True, THIS_MACHINE, None)
+    gen = handlers.run(*args)
+    first = [dict(zip(VIEW_FIELDS, next(gen))) for _ in range(2)]
+    state = first[-1]["state"]
+    gen.close()  # what a cancel does to the handler
+    assert not rt.lock.locked()
+    view = dict(zip(VIEW_FIELDS, handlers.stopped(state, THIS_MACHINE)))
+    assert view["state"]["status"] in ("stopped", "finished") and view["scrubber"] is not None
+    final = [dict(zip(VIEW_FIELDS, v)) for v in handlers.run(*args[:-1], state)][-1]
+    assert final["state"]["status"] == "finished" and final["message"] == ""
+
+
+def test_run_handler_shows_bad_settings_in_the_page():
+    handlers = Handlers(tiny_runtime())
+    with pytest.warns(UserWarning, match="whole number"):
+        out = [dict(zip(VIEW_FIELDS, v)) for v in handlers.run("hi", "fixed", 2.5, 0, 1, 10, 0, False,
+                                                                THIS_MACHINE, None)]
+    assert len(out) == 1 and "budget" in out[0]["message"]

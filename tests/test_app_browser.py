@@ -1,0 +1,177 @@
+"""The app in a real browser (Debian's Chromium through Playwright), on tiny random models.
+
+Run as a script with the real embedded model to refresh the README screenshots:
+
+    nice -n 15 .venv/bin/python tests/test_app_browser.py --screenshots assets
+"""
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync"]
+pytestmark = pytest.mark.browser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(runtime):
+    from app.ui import create_app, launch
+
+    demo = create_app(runtime)
+    _, url, _ = launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
+    return demo, url
+
+
+def open_browser(playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+
+
+def run_prompt(page, prompt: str, timeout_ms: int) -> None:
+    """Type a prompt, press Run, wait until the tree is drawn and the run has finished."""
+    page.fill("#prompt textarea", prompt)
+    page.click("#run-btn")
+    page.wait_for_selector("#tree-plot .js-plotly-plot .scatterlayer .points path", timeout=timeout_ms)
+    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('status: finished')",
+                           timeout=timeout_ms)
+
+
+def tree_title(page) -> str:
+    return page.locator("#tree-plot .gtitle").first.text_content()
+
+
+def scrub_to(page, index: int) -> None:
+    page.locator("#scrubber input[type=range]").fill(str(index))
+    page.wait_for_function(f"document.querySelector('#tree-plot .gtitle')?.textContent.startsWith('Round {index}:')",
+                           timeout=30000)
+
+
+@pytest.fixture(scope="module")
+def tiny_app():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium to run the browser tests")
+    pytest.importorskip("playwright")
+    from test_app_api import tiny_runtime
+
+    demo, url = serve(tiny_runtime())
+    yield url
+    demo.close()
+
+
+def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = open_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(tiny_app, wait_until="load")
+        page.wait_for_selector("#run-btn", timeout=60000)
+        page.click("#run-btn")  # empty prompt: a message in the page, no run
+        page.wait_for_function("document.querySelector('#message')?.innerText.includes('Please enter a prompt')",
+                               timeout=30000)
+        run_prompt(page, "hello browser", 120000)
+        assert page.locator("#output-text span.tok").count() > 0
+        assert "round" in page.locator("#output-text span.tok").first.get_attribute("title")
+        last = int(page.locator("#scrubber input[type=number]").input_value())
+        assert last >= 1 and tree_title(page).startswith(f"Round {last}:")
+        page.screenshot(path=str(tmp_path / "after_run.png"), full_page=True)
+        scrub_to(page, 0)
+        page.locator("#tree-plot").screenshot(path=str(tmp_path / "round0_tree.png"))
+        page.click("#export-btn")
+        page.wait_for_selector("#export-file a", timeout=30000)
+        bad = tmp_path / "foreign.json"
+        bad.write_text('{"hello": "world"}')
+        with page.expect_file_chooser() as chooser:
+            page.click("#upload-btn")
+        chooser.value.set_files(str(bad))
+        page.wait_for_function("document.querySelector('#message')?.innerText.includes('Cannot load')",
+                               timeout=30000)
+        assert tree_title(page).startswith("Round 0:")  # the bad file changed nothing
+        page.screenshot(path=str(tmp_path / "after_bad_upload.png"), full_page=True)
+        browser.close()
+    assert all((tmp_path / f).stat().st_size > 10000 for f in ("after_run.png", "round0_tree.png"))
+
+
+def test_stop_cancels_and_the_session_stays_usable(tiny_app, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = open_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(tiny_app, wait_until="load")
+        page.wait_for_selector("#run-btn", timeout=60000)
+        page.locator("#max-new-tokens input[type=number]").fill("512")
+        page.locator("#max-new-tokens input[type=number]").press("Enter")
+        page.fill("#prompt textarea", "a long one")
+        page.click("#run-btn")
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('running')", timeout=60000)
+        page.click("#stop-btn")
+        page.wait_for_function("document.querySelector('#message')?.innerText.includes('Stopped')", timeout=30000)
+        assert "status: stopped" in page.inner_text("#stats")
+        page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
+        page.locator("#max-new-tokens input[type=number]").fill("8")
+        page.locator("#max-new-tokens input[type=number]").press("Enter")
+        run_prompt(page, "short one", 120000)  # the same session runs again
+        assert page.inner_text("#message").strip() == ""
+        browser.close()
+
+
+# ----------------------------------------------------------------------------- README screenshots
+def shrink_png(path: Path, limit: int = 400_000) -> None:
+    """Quantise to a 256-colour palette (and halve if still too big): plots survive it well."""
+    from PIL import Image
+
+    img = Image.open(path).convert("RGB")
+    while True:
+        img.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+        if path.stat().st_size <= limit:
+            return
+        img = img.resize((img.width * 3 // 4, img.height * 3 // 4), Image.Resampling.LANCZOS)
+
+
+def screenshots(folder: Path, prompt: str) -> None:
+    """A real run with the embedded model (Bastion if the drafter is there, else AR)."""
+    from playwright.sync_api import sync_playwright
+
+    from app.engine_glue import Runtime
+
+    runtime = Runtime.load()
+    runtime.warmup()
+    demo, url = serve(runtime)
+    with sync_playwright() as p:
+        browser = open_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url, wait_until="load")
+        page.wait_for_selector("#run-btn", timeout=60000)
+        run_prompt(page, prompt, 600000)
+        last = int(page.locator("#scrubber input[type=number]").input_value())
+        if last >= 4:
+            scrub_to(page, min(last - 1, 6))  # an early round: trees there are typically more interesting
+        page.screenshot(path=str(folder / "screenshot_app.png"), full_page=True)
+        names = ["screenshot_app.png"]
+        if runtime.has_drafter:  # an AR round's "tree" is one root and its bonus: not worth a picture
+            page.locator("#tree-plot").screenshot(path=str(folder / "screenshot_tree.png"))
+            names.append("screenshot_tree.png")
+        browser.close()
+    demo.close()
+    for name in names:
+        shrink_png(folder / name)
+        print(folder / name, (folder / name).stat().st_size, "bytes")
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--screenshots", type=Path, required=True, help="folder to write the PNGs into")
+    ap.add_argument("--prompt", default="Why do leaves change color in autumn?")
+    a = ap.parse_args()
+    screenshots(a.screenshots, a.prompt)
