@@ -275,6 +275,8 @@ def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = Non
                  for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a saved model is an ordinary folder
+        (tmp / WEIGHTS_FILE).chmod(0o644)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)

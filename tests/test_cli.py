@@ -1,0 +1,49 @@
+"""The command-line contract, on the embedded SmolLM2 target (slow) and on bad input (fast)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "bastion", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--prompt", "   "], "empty"), (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"), (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"), (["--prompt", "hi", "--budget", "0"], "budget"),
+    (["--prompt", "hi", "--strategy", "beam"], "unknown strategy"),
+    (["--prompt", "hi", "--model", "/no/such/model"], "neither a local folder"),
+    (["--prompt", "hi", "--kernels", "cuda"], "kernel backend"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, msg, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    r = cli("generate", *args, "--trace", str(trace), timeout=600)
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and msg in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not trace.exists()
+
+
+@pytest.mark.slow
+def test_embedded_model_end_to_end(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    prompt = "Write a Python function that adds two numbers."
+    r = cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "token_ids", "strategy", "steps", "tau", "tokens_per_s", "decode_s"):
+        assert key in out
+    assert out["strategy"] == "bastion" and out["text"].strip() and 1 <= len(out["token_ids"]) <= 40
+    records = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(records) == out["steps"] and records[-1]["finished"]
+    assert sum(len(x["tokens"]) for x in records) == len(out["token_ids"])
+    ar = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--strategy", "ar").stdout)
+    assert ar["token_ids"] == out["token_ids"] and ar["tau"] == 1.0
