@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import build_corpus
-from .drafter import DFlashDrafter, DrafterConfig, save_drafter, spread_layer_ids
+from .drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter, spread_layer_ids
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
 from .target import Target
 
@@ -207,7 +207,8 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
 
 def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
         layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
-        mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None) -> None:
+        mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
+        init: Path | None = None) -> None:
     meta = json.loads((data / "meta.json").read_text())
     records = load_shards(data)
     n_shards = len(list(data.glob("shard_*.pt")))
@@ -216,7 +217,13 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
         p.requires_grad_(False)
     ckpt.mkdir(parents=True, exist_ok=True)
     state_path = ckpt / "state.pt"
-    drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
+    if init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
+        drafter = load_drafter(init, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
+        if drafter.cfg.target_layer_ids != meta["layer_ids"]:
+            raise ValueError(f"--init drafter uses target layers {drafter.cfg.target_layer_ids}, "
+                             f"the data has {meta['layer_ids']}")
+    else:
+        drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, log, rng = 0, [], random.Random(seed)
@@ -287,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--export", type=Path, default=None, help="also write the drafter folder at each checkpoint")
     f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
     f.add_argument("--loss-depths", type=int, default=None, help="train depths 1..D only (default B−1)")
+    f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
     for p in (d, f):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                   spread_layer_ids(target.num_layers, a.feature_layers))
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
-            a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths)
+            a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init)
     return 0
 
 
