@@ -270,6 +270,35 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
     print(file=sys.stderr)
 
 
+def plot_log(log: list[dict], path: Path, smooth: int = 25) -> None:
+    """Loss and per-depth accuracy curves (moving averages) as a PNG."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    matplotlib.use("Agg")
+    steps = [x["step"] for x in log]
+
+    def avg(vals):
+        out, acc = [], 0.0
+        for i, v in enumerate(vals):
+            acc += v - (vals[i - smooth] if i >= smooth else 0.0)
+            out.append(acc / min(i + 1, smooth))
+        return out
+
+    fig = Figure(figsize=(9, 3.6), dpi=110)
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(steps, avg([x["loss"] for x in log]), color="tab:blue")
+    ax1.set(xlabel="step", ylabel="weighted block cross-entropy", title="training loss")
+    for k in (0, 1, 3, 7):
+        if len(log[-1]["acc"]) > k:
+            ax2.plot(steps, avg([x["acc"][k] if len(x["acc"]) > k else float("nan") for x in log]), label=f"depth {k + 1}")
+    ax2.plot(steps, avg([x["chain_len"] for x in log]), color="black", ls="--", label="accepted chain length")
+    ax2.set(xlabel="step", ylabel="top-1 accuracy / tokens", title="per-depth accuracy (teacher forced)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bastion.train", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -295,10 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
     f.add_argument("--loss-depths", type=int, default=None, help="train depths 1..D only (default B−1)")
     f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
+    c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
+    c.add_argument("--ckpt", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True)
     for p in (d, f):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     a = ap.parse_args(argv)
+    if a.cmd == "plot":
+        log = [json.loads(x) for x in (a.ckpt / "log.jsonl").read_text().splitlines() if x.strip()]
+        plot_log(log, a.out)
+        return 0
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(a.model, torch.float32, "cpu")
