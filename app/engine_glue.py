@@ -13,6 +13,7 @@ model (so an exported run replays anywhere):
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -193,21 +194,31 @@ class Runtime:
                 pass
 
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
-        """Step records of one generation; the engine runs only inside ``next()``, under the lock."""
+        """Step records of one generation; the engine runs only inside ``next()``, under the lock.
+
+        AR rounds calibrate a scratch copy of the latency model, never the shared one: they all verify
+        one token, and a roofline fitted on s = 1 alone extrapolates to absurd C(n) for trees (the slope
+        is then fitted on the tiny spread the context length gives), which would starve the next Bastion run.
+        """
         with self.lock:
             self._run_id += 1
             run_id, engine = self._run_id, self.engine
-            calib = calib_snapshot(engine.latency)
+            latency = copy.deepcopy(engine.latency) if cfg.strategy == "ar" else engine.latency
+            calib = calib_snapshot(latency)
         steps = engine.generate(prompt_ids, cfg)
         clock = 0.0
         while True:
             with self.lock:
                 if run_id != self._run_id:
                     raise RuntimeError("this run was superseded by a newer one")
+                shared, engine.latency = engine.latency, latency
                 t0 = time.perf_counter()
-                step = next(steps, None)
-                clock += time.perf_counter() - t0
-                after = calib_snapshot(engine.latency)
+                try:
+                    step = next(steps, None)
+                finally:
+                    clock += time.perf_counter() - t0
+                    engine.latency = shared
+                after = calib_snapshot(latency)
             if step is None:
                 return
             if step.index == 0:

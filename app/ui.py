@@ -54,7 +54,8 @@ def _inputs(prompts: dict, limits, default_strategy: str) -> dict:
         c["max_new_tokens"] = gr.Slider(1, limits.max_new_tokens, value=96, step=1, label="Max new tokens",
                                          elem_id="max-new-tokens")
         c["seed"] = gr.Number(0, precision=0, minimum=0, label="Seed")
-    c["baseline"] = gr.Checkbox(True, label="Measure AR baseline first (reused while prompt and settings repeat)")
+    c["baseline"] = gr.Checkbox(True, label="Measure AR baseline first (reused while prompt and settings repeat)",
+                                elem_id="baseline")
     with gr.Row():
         c["run"] = gr.Button("Run", variant="primary", elem_id="run-btn")
         c["stop"] = gr.Button("Stop", variant="stop", elem_id="stop-btn")

@@ -15,6 +15,7 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync"]
+TIMEOUT_MS = 300_000  # waits that end as soon as the page is ready; generous for a busy shared machine
 pytestmark = pytest.mark.browser
 
 
@@ -52,7 +53,7 @@ def tree_title(page) -> str:
 def scrub_to(page, index: int) -> None:
     page.locator("#scrubber input[type=range]").fill(str(index))
     page.wait_for_function(f"document.querySelector('#tree-plot .gtitle')?.textContent.startsWith('Round {index}:')",
-                           timeout=30000)
+                           timeout=TIMEOUT_MS)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +75,11 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         browser = open_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(tiny_app, wait_until="load")
-        page.wait_for_selector("#run-btn", timeout=60000)
+        page.wait_for_selector("#run-btn", timeout=TIMEOUT_MS)
         page.click("#run-btn")  # empty prompt: a message in the page, no run
         page.wait_for_function("document.querySelector('#message')?.innerText.includes('Please enter a prompt')",
-                               timeout=30000)
-        run_prompt(page, "hello browser", 120000)
+                               timeout=TIMEOUT_MS)
+        run_prompt(page, "hello browser", TIMEOUT_MS)
         assert page.locator("#output-text span.tok").count() > 0
         assert "round" in page.locator("#output-text span.tok").first.get_attribute("title")
         last = int(page.locator("#scrubber input[type=number]").input_value())
@@ -87,14 +88,14 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         scrub_to(page, 0)
         page.locator("#tree-plot").screenshot(path=str(tmp_path / "round0_tree.png"))
         page.click("#export-btn")
-        page.wait_for_selector("#export-file a", timeout=30000)
+        page.wait_for_selector("#export-file a", timeout=TIMEOUT_MS)
         bad = tmp_path / "foreign.json"
         bad.write_text('{"hello": "world"}')
         with page.expect_file_chooser() as chooser:
             page.click("#upload-btn")
         chooser.value.set_files(str(bad))
         page.wait_for_function("document.querySelector('#message')?.innerText.includes('Cannot load')",
-                               timeout=30000)
+                               timeout=TIMEOUT_MS)
         assert tree_title(page).startswith("Round 0:")  # the bad file changed nothing
         page.screenshot(path=str(tmp_path / "after_bad_upload.png"), full_page=True)
         browser.close()
@@ -108,19 +109,20 @@ def test_stop_cancels_and_the_session_stays_usable(tiny_app, tmp_path):
         browser = open_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(tiny_app, wait_until="load")
-        page.wait_for_selector("#run-btn", timeout=60000)
+        page.wait_for_selector("#run-btn", timeout=TIMEOUT_MS)
         page.locator("#max-new-tokens input[type=number]").fill("512")
         page.locator("#max-new-tokens input[type=number]").press("Enter")
+        page.locator("#baseline input[type=checkbox]").uncheck()  # straight to the strategy's rounds
         page.fill("#prompt textarea", "a long one")
         page.click("#run-btn")
-        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('running')", timeout=60000)
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('running')", timeout=TIMEOUT_MS)
         page.click("#stop-btn")
-        page.wait_for_function("document.querySelector('#message')?.innerText.includes('Stopped')", timeout=30000)
+        page.wait_for_function("document.querySelector('#message')?.innerText.includes('Stopped')", timeout=TIMEOUT_MS)
         assert "status: stopped" in page.inner_text("#stats")
         page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
         page.locator("#max-new-tokens input[type=number]").fill("8")
         page.locator("#max-new-tokens input[type=number]").press("Enter")
-        run_prompt(page, "short one", 120000)  # the same session runs again
+        run_prompt(page, "short one", TIMEOUT_MS)  # the same session runs again
         assert page.inner_text("#message").strip() == ""
         browser.close()
 
@@ -151,7 +153,7 @@ def screenshots(folder: Path, prompt: str) -> None:
         browser = open_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url, wait_until="load")
-        page.wait_for_selector("#run-btn", timeout=60000)
+        page.wait_for_selector("#run-btn", timeout=TIMEOUT_MS)
         run_prompt(page, prompt, 600000)
         last = int(page.locator("#scrubber input[type=number]").input_value())
         if last >= 4:
