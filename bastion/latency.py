@@ -216,8 +216,8 @@ class LatencyModel:
                        for a, b in zip(xs_c, xs_m)]
             for branch, xs, flag in ((self.compute, xs_c, True), (self.memory, xs_m, False)):
                 pts = [(x, t, w) for x, t, w, f in zip(xs, ts, weights, on_comp) if f == flag]
-                if pts:
-                    branch.alpha, branch.beta = _fit_line(pts, branch.alpha, self.ridge)
+                if pts:  # the ridge pulls toward the analytic prior α = 1, not the last fit (no drift)
+                    branch.alpha, branch.beta = _fit_line(pts, 1.0, self.ridge)
 
     def relative_error(self) -> float | None:
         """Median |predicted − measured| / measured over the current window (None if empty)."""
@@ -262,7 +262,10 @@ def _fit_line(points: list[tuple[float, float, float]], alpha_prior: float, ridg
     mt = sum(w * t for _, t, w in points) / sw
     sxx = sum(w * (x - mx) ** 2 for x, _, w in points)
     sxt = sum(w * (x - mx) * (t - mt) for x, t, w in points)
-    lam = ridge * sw * mx * mx * 1e-2  # scale-free: relative to the data's own x² mass
+    # Ridge relative to the data's own x² mass: when the sizes seen barely differ (an AR-only run,
+    # where x moves only with the context length) the slope stays near its prior instead of
+    # fitting noise and extrapolating to absurd C(n); with varied tree sizes the data dominates.
+    lam = ridge * sw * mx * mx
     if sxx + lam <= 0 or sxx < 1e-12 * max(sw * mx * mx, 1e-30):
         alpha = alpha_prior
     else:

@@ -64,4 +64,18 @@ def test_known_and_measured_devices():
     assert known_device("NVIDIA H200").bandwidth == 4.8e12
     assert known_device("NVIDIA A100-SXM4-80GB", torch.float32).flops == 19.5e12
     hw = measure_device("cpu", torch.float32)
-    assert hw.flops > 1e9 and hw.bandwidth > 1e9
+    assert hw.flops > 1e8 and hw.bandwidth > 1e8  # loose: the machine may be busy
+
+
+def test_ar_only_measurements_do_not_extrapolate():
+    """Only s = 1 at slowly growing context, with noise: C(64) must stay near the analytic slope."""
+    m = spec()
+    hw = HardwareSpec("fake", 200e9, 25e9)
+    lm = LatencyModel(m, hw)
+    rng = random.Random(1)
+    for c in range(100, 228):
+        lm.observe(1, c, 0.05 * (1 + rng.gauss(0, 0.15)))
+    prior = LatencyModel(m, hw)
+    prior.observe(1, 100, 0.05)
+    ratio = (lm.predict(64, 228) - lm.predict(1, 228)) / (prior.predict(64, 228) - prior.predict(1, 228))
+    assert 0.3 < ratio < 3.0, ratio
