@@ -122,16 +122,20 @@ def tree_figure(step: dict) -> go.Figure:
                                  hoverinfo="skip", showlegend=False))
     leaves = max(rows) + 1 if rows else 1
     small = leaves > 40
+    # a label right of a node would sit on the edges to its children: internal nodes get theirs above
+    inner = {p for p in parents if p >= 0}
     for kind in ("rejected", "accepted", "bonus"):
         idx = [i for i, s in enumerate(status) if s == kind]
         if not idx:
             continue
         fig.add_trace(go.Scatter(
             x=[depth[i] for i in idx], y=[-rows[i] for i in idx], mode="markers+text", name=kind,
-            text=[labels[i] for i in idx], textposition="middle right",
+            text=[labels[i] for i in idx],
+            textposition=["top center" if i in inner else "middle right" for i in idx],
             textfont=dict(size=9 if small else 11, color="#212529"),
             marker=dict(size=[7 + 18 * math.sqrt(probs[i]) for i in idx], color=COLORS[kind],
-                        opacity=[0.45 + 0.55 * probs[i] for i in idx], line=dict(width=1, color="#343a40"),
+                        opacity=[0.9 if kind != "rejected" else 0.45 + 0.55 * probs[i] for i in idx],
+                        line=dict(width=1, color="#343a40"),
                         symbol="diamond" if kind == "bonus" else "circle"),
             hovertext=[_hover(step, i, kind) for i in idx], hoverinfo="text"))
     n_acc = len(step["accepted"]) - 1

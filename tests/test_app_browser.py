@@ -155,9 +155,9 @@ def screenshots(folder: Path, prompt: str) -> None:
         page.goto(url, wait_until="load")
         page.wait_for_selector("#run-btn", timeout=TIMEOUT_MS)
         run_prompt(page, prompt, 600000)
-        last = int(page.locator("#scrubber input[type=number]").input_value())
-        if last >= 4:
-            scrub_to(page, min(last - 1, 6))  # an early round: trees there are typically more interesting
+        per_round = page.evaluate("Array.from(document.querySelectorAll('#output-text span.round'))"
+                                  ".map(r => [r.querySelectorAll('span.tok.acc').length, -Number(r.dataset.round)])")
+        scrub_to(page, -max(per_round)[1])  # the (first) round that accepted the most draft tokens
         page.screenshot(path=str(folder / "screenshot_app.png"), full_page=True)
         names = ["screenshot_app.png"]
         if runtime.has_drafter:  # an AR round's "tree" is one root and its bonus: not worth a picture
