@@ -48,6 +48,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    draft_vocab_size: int | None = None  # Bastion extension: draft over a subset of the vocabulary
     extra: dict = field(default_factory=dict)
 
     def to_hf_dict(self) -> dict:
@@ -64,6 +65,8 @@ class DrafterConfig:
             tie_word_embeddings=False,
             dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
         )
+        if self.draft_vocab_size:
+            d["draft_vocab_size"] = self.draft_vocab_size
         return d
 
     @classmethod
@@ -76,7 +79,8 @@ class DrafterConfig:
             rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
             known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
-                     "max_position_embeddings", "block_size", "num_target_layers", "dflash_config"}
+                     "max_position_embeddings", "block_size", "num_target_layers", "dflash_config",
+                     "draft_vocab_size"}
             return cls(
                 hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
                 num_hidden_layers=n_layers, num_attention_heads=int(d["num_attention_heads"]),
@@ -87,6 +91,7 @@ class DrafterConfig:
                 num_target_layers=n_target, block_size=int(d.get("block_size", 16)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                draft_vocab_size=int(d["draft_vocab_size"]) if d.get("draft_vocab_size") else None,
                 extra={k: v for k, v in d.items() if k not in known},
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -186,6 +191,22 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(cfg.qwen3())
+        # Optional draft vocabulary: target ids [V_d] the drafter may propose. Its logits are then
+        # computed over V_d rows of the LM head only — on a CPU the full head over V = 49,152 is most
+        # of a draft's time. Tokens outside it are never drafted, which costs acceptance, never
+        # correctness (verification always uses the target's full distribution).
+        self.register_buffer("draft_vocab", None if not cfg.draft_vocab_size else
+                             torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""
+        if ids is None:
+            self.draft_vocab, self.cfg.draft_vocab_size = None, None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        check_draft_vocab(ids, self.cfg.vocab_size)
+        self.draft_vocab = ids.to(self.fc.weight.device)
+        self.cfg.draft_vocab_size = int(ids.numel())
 
     @property
     def block_size(self) -> int:
@@ -237,7 +258,9 @@ class DFlashDrafter(nn.Module):
     def draft(self, cache: DrafterCache, root_token: int, embed, lm_head) -> torch.Tensor:
         """Log-probabilities [B−1, V] of depths 1..B−1 for the block [root, MASK × (B−1)].
 
-        The root sits at position cache.length (its context is everything before it).
+        The root sits at position cache.length (its context is everything before it). With a draft
+        vocabulary the columns are its V_d tokens (``draft_vocab[j]`` is column j's target id) and
+        ``lm_head(hidden, rows)`` must return logits of those rows only.
         """
         device = self.fc.weight.device
         ids = torch.full((1, self.block_size), self.cfg.mask_token_id, dtype=torch.long, device=device)
@@ -250,8 +273,9 @@ class DFlashDrafter(nn.Module):
         else:  # a one-token prompt: no context yet
             empty = x.new_zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
             ctx_kv = [(empty, empty)] * len(self.layers)
-        hidden = self.blocks(x, pos, ctx_kv)
-        return torch.log_softmax(lm_head(hidden[0, 1:].to(emb.dtype)).float(), dim=-1)
+        hidden = self.blocks(x, pos, ctx_kv)[0, 1:].to(emb.dtype)
+        logits = lm_head(hidden) if self.draft_vocab is None else lm_head(hidden, self.draft_vocab)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 # --------------------------------------------------------------------------- save / load
@@ -271,7 +295,7 @@ def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = Non
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".drafter-", dir=folder.parent))
     try:
-        state = {k: (v.to(dtype) if dtype else v).contiguous().cpu()
+        state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous().cpu()
                  for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2))
@@ -312,6 +336,18 @@ def check_compatible(cfg: DrafterConfig, target_hidden: int, target_vocab: int, 
         raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} outside the vocabulary ({target_vocab})")
     if cfg.block_size < 2:
         raise ValueError(f"drafter block_size {cfg.block_size} must be at least 2")
+    if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= target_vocab:
+        raise ValueError(f"drafter draft_vocab_size {cfg.draft_vocab_size} outside [1, {target_vocab}]")
+
+
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless ids is a 1-D tensor of unique token ids in [0, vocab_size)."""
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary has ids outside [0, {vocab_size})")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("draft vocabulary has repeated ids")
 
 
 def load_drafter(name_or_path, target_hidden: int, target_vocab: int, target_layers: int,
@@ -348,5 +384,10 @@ def load_drafter(name_or_path, target_hidden: int, target_vocab: int, target_lay
         ref = drafter.state_dict()[k]
         if tuple(v.shape) != tuple(ref.shape):
             raise ValueError(f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies {tuple(ref.shape)}")
+    if "draft_vocab" in state:
+        try:
+            check_draft_vocab(state["draft_vocab"], cfg.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"{w_path}: {exc}") from None
     drafter.load_state_dict(state, strict=False)
     return drafter.to(device=device, dtype=dtype).eval()

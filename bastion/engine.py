@@ -255,7 +255,7 @@ class Engine:
                     # never draft past the context limit; one host transfer of the top-k lists
                     logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
                     k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
-                    topk = topk_marginals(logq, max(k, TOPK_RECORDED))
+                    topk = topk_marginals(logq, max(k, TOPK_RECORDED), getattr(drafter, "draft_vocab", None))
             with self.timer(times, "build"):
                 exp = self._build(cfg, root, topk, prefix)
                 tree = exp.tree

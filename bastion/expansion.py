@@ -74,9 +74,15 @@ class BudgetRule:
     lookahead: int = 8
 
 
-def topk_marginals(logq: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Per depth, the top-k log-probabilities and token ids, as Python lists (one host transfer)."""
+def topk_marginals(logq: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+                   ) -> tuple[list[list[float]], list[list[int]]]:
+    """Per depth, the top-k log-probabilities and token ids, as Python lists (one host transfer).
+
+    ``vocab`` [V_d] maps column j of logq [D, V_d] to its token id (a drafter's draft vocabulary).
+    """
     vals, ids = torch.topk(logq, min(k, logq.shape[-1]), dim=-1)
+    if vocab is not None:
+        ids = vocab.to(ids.device)[ids]
     return vals.float().cpu().tolist(), ids.cpu().tolist()
 
 

@@ -35,6 +35,7 @@ class Target:
         self._feature_layers: list[int] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
+        self._head_rows: tuple | None = None  # (key, weight rows, bias rows) for lm_head(rows=...)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -71,8 +72,24 @@ class Target:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+    def lm_head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., V] of hidden [..., h]; with ``rows`` [V_d] only those vocabulary rows [..., V_d].
+
+        The row slice of the head is cached (per rows tensor), so a drafter with a draft vocabulary
+        reads V_d·h weights per call instead of V·h.
+        """
+        head = self.model.get_output_embeddings()
+        if rows is None:
+            return head(hidden)
+        # inference-mode tensors cannot be saved for backward: keep one slice per mode
+        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled())
+        if self._head_rows is None or self._head_rows[0] != key:
+            with torch.no_grad():
+                w = head.weight.index_select(0, rows.to(head.weight.device))
+                b = None if head.bias is None else head.bias.index_select(0, rows.to(head.weight.device))
+            self._head_rows = (key, w, b)
+        _, w, b = self._head_rows
+        return torch.nn.functional.linear(hidden, w, b)
 
     # ----------------------------------------------------------------- feature capture
     def _decoder_layers(self):

@@ -126,6 +126,26 @@ def new_drafter(target: Target, layers: int, layer_ids: list[int], block_size: i
     return drafter
 
 
+def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: set[int] = frozenset()) -> torch.Tensor:
+    """The ``size`` target ids a drafter may propose: ``always`` (e.g. stop tokens), then the most frequent
+    tokens of the training sequences (responses counted twice: they are what gets drafted), then the
+    lowest unused ids (BPE merges in order, so low ids are the common pieces). Sorted ascending."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"--draft-vocab {size} must be in [1, {vocab_size}]")
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        ids = r["ids"].long()
+        counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float64))
+        resp = ids[r["prompt_len"]:]
+        counts.index_add_(0, resp, torch.ones(len(resp), dtype=torch.float64))
+    # the order of preference: forced ids, then by count, ties broken by low id
+    score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)
+    for i in always:
+        if 0 <= i < vocab_size:
+            score[i] = float("inf")
+    return torch.sort(torch.topk(score, size).indices).values
+
+
 def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random):
     """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
 
@@ -191,14 +211,23 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
     hidden = drafter.blocks(x, block_pos, ctx_kv, block_mask(valid, anchor_pos, B, x.dtype))
     A = anchor_pos.shape[1]
     hidden = hidden.view(r, A, B, -1)[:, :, 1:1 + D].reshape(r, A * D, -1)
-    logits = target.lm_head(hidden).float()
     lab = labels.view(r, A, B - 1)[:, :, :D]
-    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view(r, A, D)
     ok = lab != -100
+    vocab = drafter.draft_vocab
+    if vocab is None:
+        logits = target.lm_head(hidden).float()
+        col = lab
+    else:  # logits over the draft vocabulary; labels outside it cannot be hit (no loss, counted as misses)
+        logits = target.lm_head(hidden, vocab).float()
+        inv = torch.full((target.vocab_size,), -100, dtype=torch.long)
+        inv[vocab] = torch.arange(len(vocab))
+        col = torch.where(ok, inv[lab.clamp(min=0)], -100)
+    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), col.reshape(-1), reduction="none").view(r, A, D)
+    trained = col != -100
     w = torch.exp(-torch.arange(D, dtype=torch.float32) / gamma)
-    loss = (ce * ok * w).sum() / (ok * w).sum()
+    loss = (ce * trained * w).sum() / (trained * w).sum().clamp(min=1e-9)
     with torch.no_grad():
-        hit = (logits.argmax(-1).view(r, A, D) == lab) & ok
+        hit = (logits.argmax(-1).view(r, A, D) == col) & trained
         acc = (hit.sum((0, 1)) / ok.sum((0, 1)).clamp(min=1)).tolist()
         # expected accepted length of the chain: first miss ends the block
         run = torch.cumprod(hit.float(), dim=2).sum(2).mean().item()
@@ -208,7 +237,7 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
 def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
         layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
-        init: Path | None = None) -> None:
+        init: Path | None = None, draft_vocab: int | None = None) -> None:
     meta = json.loads((data / "meta.json").read_text())
     records = load_shards(data)
     n_shards = len(list(data.glob("shard_*.pt")))
@@ -224,11 +253,20 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
                              f"the data has {meta['layer_ids']}")
     else:
         drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
+    if draft_vocab and not state_path.exists():
+        from .engine import stop_token_ids
+        stops = stop_token_ids(target.tokenizer, target.model.generation_config)
+        drafter.set_draft_vocab(build_draft_vocab(records, draft_vocab, target.vocab_size, stops))
+        covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), drafter.draft_vocab).sum()) for r in records)
+        total = sum(len(r["ids"]) - r["prompt_len"] for r in records)
+        print(f"draft vocabulary: {draft_vocab} ids cover {covered / max(total, 1):.2%} of response tokens",
+              file=sys.stderr)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, log, rng = 0, [], random.Random(seed)
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
+        drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
         drafter.load_state_dict(st["drafter"])
         opt.load_state_dict(st["opt"])
         step, log = st["step"], st["log"]
@@ -324,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
     f.add_argument("--loss-depths", type=int, default=None, help="train depths 1..D only (default B−1)")
     f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
+    f.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
     c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
     c.add_argument("--ckpt", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
@@ -345,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                   spread_layer_ids(target.num_layers, a.feature_layers))
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
-            a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init)
+            a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
+            draft_vocab=a.draft_vocab or None)
     return 0
 
 

@@ -91,7 +91,8 @@ def test_missing_and_corrupt_files(tmp_path):
         load_for(target, tmp_path / "d")
 
 
-def test_short_training_run_lowers_loss():
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_short_training_run_lowers_loss(draft_vocab):
     torch.manual_seed(0)
     target = tiny_target("llama", vocab=50, dtype=torch.float32, layers=4)
     target.set_feature_layers([1, 2])
@@ -109,6 +110,9 @@ def test_short_training_run_lowers_loss():
     for p in target.model.parameters():
         p.requires_grad_(False)
     drafter = new_drafter(target, layers=1, layer_ids=[1, 2], block_size=4, mask_token_id=49)
+    if draft_vocab:  # the 40 most frequent ids: labels outside it give no loss and count as misses
+        from bastion.train import build_draft_vocab
+        drafter.set_draft_vocab(build_draft_vocab(records, 40, target.vocab_size))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for step in range(60):
@@ -119,3 +123,63 @@ def test_short_training_run_lowers_loss():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:5]) / 5, losses[:5] + losses[-10:]
+
+
+# --------------------------------------------------------------------------- draft vocabulary
+def test_draft_vocabulary_round_trip_and_lossless(tmp_path):
+    """A drafter restricted to a subset of the vocabulary saves and loads exactly, proposes only ids
+    of that subset, and every strategy still reproduces AR's greedy output."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    d = tiny_drafter(target, layers=2, dtype=torch.float64)
+    vocab = torch.arange(3, target.vocab_size, 2)  # odd ids only
+    d.set_draft_vocab(vocab)
+    save_drafter(d, tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == len(vocab)
+    back = load_for(target, tmp_path / "d")
+    assert torch.equal(back.draft_vocab, vocab) and back.draft_vocab.dtype == torch.long
+    cache = back.new_cache()
+    back.extend_cache(cache, torch.randn(4, 2 * target.hidden_size, dtype=torch.float64))
+    logq = back.draft(cache, 3, target.embed, target.lm_head)
+    assert logq.shape == (back.block_size - 1, len(vocab))
+    # the columns are the head's rows of those ids, renormalised
+    engine = Engine(target, back, kernels="torch", stop_ids=set())
+    ref = engine.run([5, 6, 7], GenerationConfig(strategy="ar", max_new_tokens=16)).token_ids
+    for s in ("chain", "fixed", "bastion"):
+        steps = list(engine.generate([5, 6, 7], GenerationConfig(strategy=s, max_new_tokens=16)))
+        assert [t for st in steps for t in st.tokens] == ref
+        drafted = {t for st in steps for t in st.tree.tokens[1:]}
+        assert drafted and drafted <= set(vocab.tolist())
+
+
+def test_draft_vocabulary_logits_are_the_head_rows():
+    target = tiny_target("llama", dtype=torch.float64)
+    h = torch.randn(3, target.hidden_size, dtype=torch.float64)
+    rows = torch.tensor([7, 1, 40])
+    assert torch.allclose(target.lm_head(h, rows), target.lm_head(h)[:, rows])
+    rows2 = torch.tensor([2, 3])  # a new rows tensor is not served from the cached slice of the first
+    assert torch.allclose(target.lm_head(h, rows2), target.lm_head(h)[:, rows2])
+
+
+@pytest.mark.parametrize("bad,msg", [([1, 1, 2], "repeated"), ([0, 10**6], "outside"), ([], "non-empty")])
+def test_bad_draft_vocabulary_is_refused(tmp_path, bad, msg):
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target)
+    with pytest.raises(ValueError, match=msg):
+        d.set_draft_vocab(torch.tensor(bad, dtype=torch.long))
+    d.set_draft_vocab(torch.tensor([1, 2, 3]))
+    save_drafter(d, tmp_path / "d")
+    from safetensors.torch import save_file
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    state["draft_vocab"] = torch.tensor([1, 2, 10**6])
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="draft vocabulary has ids outside"):
+        load_for(target, tmp_path / "d")
+
+
+def test_build_draft_vocab_prefers_forced_then_frequent_then_low_ids():
+    from bastion.train import build_draft_vocab
+    recs = [{"ids": torch.tensor([50, 50, 50, 60, 60, 70], dtype=torch.int32), "prompt_len": 1}]
+    v = build_draft_vocab(recs, 5, 97, always={96})
+    assert v.tolist() == sorted([96, 50, 60, 70, 0])
+    with pytest.raises(ValueError, match="draft-vocab"):
+        build_draft_vocab(recs, 0, 97)
