@@ -94,7 +94,7 @@ class Step:
     times: StageTimes
     context_len: int             # committed tokens before this round (prompt included)
     generated: int               # tokens generated so far, this round included
-    elapsed_s: float             # decode time so far (prefill excluded)
+    elapsed_s: float             # engine decode time so far (prefill and the consumer's time between steps excluded)
     prefill_s: float = 0.0       # time of the prompt's prefill (same in every step of a run)
     finished: bool = False
     finish_reason: str = ""
@@ -242,7 +242,7 @@ class Engine:
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
-        index, t_start = 0, time.perf_counter()
+        index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
         depth_room = (drafter.block_size if drafter is not None else 1)
         while True:
@@ -282,12 +282,16 @@ class Engine:
             predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement
             self.latency.observe(len(tree), prefix, times.verify)
             self.latency.observe_overheads(times.draft, times.build + times.commit)
-            yield Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
-                       self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
-                       exp.round_overhead, times, committed, generated, time.perf_counter() - t_start,
-                       prefill_s, bool(finish), finish,
-                       [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
-                       [row[:TOPK_RECORDED] for row in topk[1]] if topk else [])
+            step = Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
+                        self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
+                        exp.round_overhead, times, committed, generated, time.perf_counter() - t_start - paused,
+                        prefill_s, bool(finish), finish,
+                        [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
+                        [row[:TOPK_RECORDED] for row in topk[1]] if topk else [])
+            t_yield = time.perf_counter()
+            yield step
+            # the consumer's time between rounds (drawing, streaming) is not decode time
+            paused += time.perf_counter() - t_yield
             if finish:
                 return
             committed += len(new)

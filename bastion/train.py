@@ -1,7 +1,8 @@
 """Self-distillation of a DFlash drafter for a target, on CPU, resumable.
 
-    python -m bastion.train data  --out DIR [--prompts N] [--batch 32] [--max-new-tokens 160]
-    python -m bastion.train fit   --data DIR --ckpt DIR [--steps N] [--minutes M] [--export FOLDER]
+    python -m bastion.train data  --out DIR [--corpus base|broad] [--prompts N] [--batch 32] [--max-new-tokens 160]
+    python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
+                                  [--init FOLDER] [--draft-vocab N] [--export FOLDER]
 
 ``data``: the offline corpus (bastion.corpus, eval prompts excluded) → the target's own greedy
 continuations, generated in batches (batching is what makes this affordable on 2 cores), plus the
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .corpus import build_corpus
+from .corpus import CORPORA, build_corpus
 from .drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter, spread_layer_ids
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
 from .target import Target
@@ -55,11 +56,18 @@ def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
 # --------------------------------------------------------------------------- data
 @torch.inference_mode()
 def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tokens: int, layer_ids: list[int],
-              seed: int = 0) -> None:
+              seed: int = 0, corpus: str = "base") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set())
-    (out / "meta.json").write_text(json.dumps({"layer_ids": layer_ids, "prompts": len(prompts),
-                                               "max_new_tokens": max_new_tokens, "batch": batch}))
+    prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set(), corpus=corpus)
+    meta = {"layer_ids": layer_ids, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch": batch,
+            "corpus": corpus, "seed": seed}
+    old = out / "meta.json"
+    if old.is_file() and any(out.glob("shard_*.pt")):
+        prev = json.loads(old.read_text())
+        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if prev.get(k, meta[k] if k != "corpus" else "base") != meta[k]]
+        if clash:  # finished shards would silently belong to another prompt list
+            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
+    (out / "meta.json").write_text(json.dumps(meta))
     target.set_feature_layers(layer_ids)
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -91,13 +99,19 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
     print(file=sys.stderr)
 
 
-def load_shards(data: Path) -> list[dict]:
+def load_shards(data: Path | list[Path]) -> list[dict]:
+    """Every record of every finished shard of one or several data folders."""
     records = []
-    for path in sorted(data.glob("shard_*.pt")):
-        records.extend(torch.load(path))
+    for folder in ([data] if isinstance(data, Path) else data):
+        for path in sorted(folder.glob("shard_*.pt")):
+            records.extend(torch.load(path))
     if not records:
-        raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out {data}` first")
+        raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out DIR` first")
     return records
+
+
+def _count_shards(data: list[Path]) -> int:
+    return sum(len(list(d.glob("shard_*.pt"))) for d in data)
 
 
 # --------------------------------------------------------------------------- model
@@ -234,13 +248,21 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
     return loss, acc, run
 
 
-def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
+def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
         layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
         init: Path | None = None, draft_vocab: int | None = None) -> None:
-    meta = json.loads((data / "meta.json").read_text())
+    metas = []
+    for d in data:
+        if not (d / "meta.json").is_file():
+            raise FileNotFoundError(f"{d} has no meta.json: run `python -m bastion.train data --out {d}` first")
+        metas.append(json.loads((d / "meta.json").read_text()))
+    if any(m["layer_ids"] != metas[0]["layer_ids"] for m in metas):
+        raise ValueError("the --data folders were made with different feature layers: "
+                         + ", ".join(f"{d}: {m['layer_ids']}" for d, m in zip(data, metas)))
+    meta = metas[0]
     records = load_shards(data)
-    n_shards = len(list(data.glob("shard_*.pt")))
+    n_shards = _count_shards(data)
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
     for p in target.model.parameters():
         p.requires_grad_(False)
@@ -293,10 +315,10 @@ def fit(target: Target, data: Path, ckpt: Path, steps: int, minutes: float, rows
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)})
         _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
-        if step % ckpt_every == 0 and len(list(data.glob("shard_*.pt"))) > n_shards:
+        if step % ckpt_every == 0 and _count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
             records = load_shards(data)
-            n_shards = len(list(data.glob("shard_*.pt")))
+            n_shards = _count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
         if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
             _atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
@@ -346,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=160)
     d.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
+    d.add_argument("--corpus", choices=CORPORA, default="base", help="which prompt templates (bastion.corpus)")
+    d.add_argument("--seed", type=int, default=0)
     f = sub.add_parser("fit", help="train the drafter on generated data")
-    f.add_argument("--data", type=Path, required=True)
+    f.add_argument("--data", type=Path, required=True, action="append", help="data folder (repeatable)")
     f.add_argument("--ckpt", type=Path, required=True)
     f.add_argument("--steps", type=int, default=4000)
     f.add_argument("--minutes", type=float, default=0.0, help="stop (with a checkpoint) after this long")
@@ -382,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
-                  spread_layer_ids(target.num_layers, a.feature_layers))
+                  spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus)
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,

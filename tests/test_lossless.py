@@ -87,3 +87,20 @@ def test_bad_generation_settings():
         list(engine.generate([], GenerationConfig()))
     with pytest.raises(ValueError, match="context"):
         list(engine.generate(list(range(5)) * 200, GenerationConfig()))
+
+
+def test_decode_clock_excludes_the_consumers_time():
+    """Step.elapsed_s is engine time: a viewer that spends 50 ms per step must not slow the rate."""
+    import time
+    target = tiny_target("llama", dtype=torch.float32)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    cfg = GenerationConfig(strategy="chain", max_new_tokens=6)
+    wall0 = time.perf_counter()
+    steps = []
+    for s in engine.generate([1, 2, 3], cfg):
+        steps.append(s)
+        time.sleep(0.05)
+    wall = time.perf_counter() - wall0
+    assert len(steps) >= 2
+    assert steps[-1].elapsed_s < wall - 0.05 * (len(steps) - 1)
+    assert all(b.elapsed_s >= a.elapsed_s for a, b in zip(steps, steps[1:]))
