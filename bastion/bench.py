@@ -23,18 +23,15 @@ per run on Linux (the kernel's high-water mark is reset before each run), else t
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
@@ -43,13 +40,13 @@ from tqdm import tqdm
 from transformers.generation import BaseStreamer
 
 from .engine import Engine, GenerationConfig
+from .report import STAGES, BenchOutput, load_average, machine_info, markdown, write_report
 
 ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
 HF_BASELINES = ("hf_generate", "hf_prompt_lookup")
 DEFAULT_STRATEGIES = "ar,chain,fixed:16,fixed:32,fixed:64,bastion"
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
-STAGES = ("draft", "build", "verify", "commit")
 
 
 class BenchError(ValueError):
@@ -225,12 +222,6 @@ def _peak_memory(device: torch.device) -> tuple[float, float | None]:
 
 
 # --------------------------------------------------------------------- the suite
-@dataclass
-class BenchOutput:
-    results: dict      # what results.json holds
-    rounds: list[dict]  # one row per verified tree (engine strategies): rounds.csv and the latency scatter
-
-
 def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy], max_new_tokens: int = 128,
               temperature: float = 0.0, repeats: int = 1, seed: int = 0, command: str = "",
               progress: bool = True) -> BenchOutput:
@@ -268,7 +259,7 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
                 runs.setdefault((i, s.name), []).append(measure(case, s, max_new_tokens, rows, tag))
                 bar.update()
     bar.close()
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = load_average()
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
@@ -338,143 +329,6 @@ def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool]) ->
 
 def _round(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(float(x), digits)
-
-
-def _load_average() -> list[float] | None:
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "load_average_start": _load_average()}
-
-
-# --------------------------------------------------------------------- report
-def write_report(out: BenchOutput, folder: Path) -> list[Path]:
-    """results.json, results.md, rounds.csv and the PNG plots in ``folder``; returns their paths."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / "results.json", folder / "results.md", folder / "rounds.csv"]
-    paths[0].write_text(json.dumps(out.results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(out.results), encoding="utf-8")
-    with open(paths[2], "w", newline="") as fh:
-        fields = ["strategy", "category", "prompt", "repeat", "round", "tree_size", "context", "tokens",
-                  "predicted_s", "measured_s"]
-        writer = csv.DictWriter(fh, fields)
-        writer.writeheader()
-        writer.writerows(out.rounds)
-    return paths + plot_report(out, folder)
-
-
-def _cell(x, fmt: str = "{:.2f}") -> str:
-    return "–" if x is None else fmt.format(x)
-
-
-def markdown(results: dict) -> str:
-    """A README-ready summary: settings, one row per strategy, speedup per category."""
-    m, s, groups = results["machine"], results["settings"], results["categories"]
-    per_category = [p["category"] for p in results["prompts"]]
-    counts = ", ".join(f"{c} {per_category.count(c)}" for c in groups)
-    lines = [f"### Benchmark {m['date'][:10]}", "",
-             f"- Machine: {m['gpu'] or m['cpu']}, {m['cores']} cores, {m['device']} {m['dtype']}, "
-             f"torch {m['torch']}, transformers {m['transformers']}",
-             f"- Command: `{results['command']}`",
-             f"- Prompts: {len(results['prompts'])} ({counts}); max_new_tokens {s['max_new_tokens']}, "
-             f"temperature {s['temperature']}, repeats {s['repeats']}; decode tokens/s, prefill excluded", "",
-             "| strategy | tok/s | speedup vs AR | τ | mean tree | match AR | draft / build / verify / commit / other "
-             "| latency err | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for name, st in results["strategies"].items():
-        frac = st["time_fraction"]
-        split = " / ".join(f"{100 * frac[k]:.0f}%" for k in (*STAGES, "other")) if frac else "–"
-        lines.append(f"| {name} | {st['tokens_per_s']:.1f} | {_cell(st['speedup_vs_ar'], '{:.2f}×')} | "
-                     f"{_cell(st['tau'])} | {_cell(st['mean_tree_size'], '{:.1f}')} | {st['match_ar']:.0%} | "
-                     f"{split} | {_cell(st['latency_error'], '{:.0%}')} | {st['peak_rss_mb']:.0f} |")
-    lines += ["", "Speedup vs AR by category (mean over prompts of the tokens/s ratio):", "",
-              "| strategy | " + " | ".join(groups) + " | all |", "|---|" + "---:|" * (len(groups) + 1)]
-    for name, st in results["strategies"].items():
-        cells = [_cell(g[name]["speedup_vs_ar"], "{:.2f}×") for g in groups.values()]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_cell(st['speedup_vs_ar'], '{:.2f}×')} |")
-    if s["temperature"] > 0 and any(n.startswith("hf_") for n in results["strategies"]):
-        lines += ["", "At T > 0 the hf_* baselines sample from transformers' own random stream: "
-                      "their match with AR is not expected."]
-    return "\n".join(lines) + "\n"
-
-
-def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
-    """Three PNGs: speedup by category; τ vs mean tree size; predicted vs measured verify time."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
-
-    res = out.results
-    names = list(res["strategies"])
-    color = {n: colormaps["tab10"](i % 10) for i, n in enumerate(names)}
-    title = f"{res['machine']['gpu'] or res['machine']['cpu']} · {res['machine']['date'][:10]}"
-    paths = [folder / "speedup_by_category.png", folder / "tau_vs_tree_size.png", folder / "verify_latency.png"]
-
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    groups = {**res["categories"], "all prompts": res["strategies"]}
-    shown = [n for n in names if n != "ar"]
-    width = 0.8 / max(1, len(shown))
-    for j, n in enumerate(shown):
-        ys = [g[n]["speedup_vs_ar"] or 0.0 for g in groups.values()]
-        bars = ax.bar([k + (j - (len(shown) - 1) / 2) * width for k in range(len(groups))], ys, width, label=n,
-                      color=color[n])
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2, rotation=90 if len(shown) > 3 else 0)
-    ax.axhline(1.0, color="black", lw=1, ls="--", label="ar")
-    ax.set_xticks(range(len(groups)), list(groups))
-    ax.set_ylabel("decode speedup vs AR (×)")
-    ax.set_title(f"Speedup by category — {title}", fontsize=10)
-    ax.legend(fontsize=8, ncols=min(4, len(shown) + 1), loc="upper left")
-    ax.set_ylim(0, max([1.3] + [1.3 * (g[n]["speedup_vs_ar"] or 0) for g in groups.values() for n in shown]))
-    fig.savefig(paths[0], dpi=120)
-
-    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for n, st in res["strategies"].items():
-        if st["mean_tree_size"] is None:
-            continue
-        cats = [g[n] for g in res["categories"].values()]
-        ax.scatter([c["mean_tree_size"] for c in cats], [c["tau"] for c in cats], s=15, alpha=0.5, color=color[n])
-        ax.scatter([st["mean_tree_size"]], [st["tau"]], s=60, color=color[n], edgecolors="black", label=n)
-        ax.annotate(n, (st["mean_tree_size"], st["tau"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("mean tree size (nodes verified per round, root included)")
-    ax.set_ylabel("τ (tokens per round)")
-    ax.set_title(f"Acceptance vs tree size (large: all prompts, small: categories)\n{title}", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.savefig(paths[1], dpi=120)
-
-    fig = Figure(figsize=(6, 5.5), layout="constrained")
-    ax = fig.add_subplot()
-    for n in names:
-        pts = [(r["predicted_s"] * 1e3, r["measured_s"] * 1e3) for r in out.rounds if r["strategy"] == n]
-        if pts:
-            err = res["strategies"][n]["latency_error"]
-            ax.scatter(*zip(*pts), s=6, alpha=0.4, color=color[n], label=f"{n} (median err {_cell(err, '{:.0%}')})")
-    values = [v for r in out.rounds for v in (r["predicted_s"], r["measured_s"]) if v > 0]
-    if values:
-        lo, hi = min(values) * 1e3 / 1.2, max(values) * 1e3 * 1.2
-        ax.plot([lo, hi], [lo, hi], color="black", lw=1, ls="--", label="predicted = measured")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-    ax.set_xlabel("predicted verify time (ms)")
-    ax.set_ylabel("measured verify time (ms)")
-    ax.set_title(f"Latency model, every round (error: rounds ≥ 10)\n{title}", fontsize=10)
-    ax.legend(fontsize=7, markerscale=2)
-    fig.savefig(paths[2], dpi=120)
-    return paths
 
 
 # --------------------------------------------------------------------- command line

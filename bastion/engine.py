@@ -244,7 +244,6 @@ class Engine:
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
-        depth_room = (drafter.block_size if drafter is not None else 1)
         while True:
             times = StageTimes()
             prefix = target.cache_len  # = committed − 1: every committed token but the root

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bastion.drafter import DrafterConfig, load_drafter, save_drafter
+from bastion.drafter import load_drafter, save_drafter
 from bastion.engine import Engine, GenerationConfig
 from bastion.train import make_batch, new_drafter, train_step
 from tiny import tiny_drafter, tiny_target

@@ -1,6 +1,5 @@
 """Sample-and-walk is distribution-preserving; the lossy shortcut is not (the test has power)."""
 
-import itertools
 import math
 
 import pytest
