@@ -255,12 +255,14 @@ class DFlashDrafter(nn.Module):
             cache.values = [torch.cat([a, v], dim=2) for a, (_, v) in zip(cache.values, kv)]
 
     @torch.inference_mode()
-    def draft(self, cache: DrafterCache, root_token: int, embed, lm_head) -> torch.Tensor:
+    def draft(self, cache: DrafterCache, root_token: int, embed, lm_head,
+              vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probabilities [B−1, V] of depths 1..B−1 for the block [root, MASK × (B−1)].
 
         The root sits at position cache.length (its context is everything before it). With a draft
-        vocabulary the columns are its V_d tokens (``draft_vocab[j]`` is column j's target id) and
-        ``lm_head(hidden, rows)`` must return logits of those rows only.
+        vocabulary — ``vocab`` if given (the engine widens the drafter's own with a request's tokens),
+        else ``draft_vocab`` — the columns are its V_d tokens (``vocab[j]`` is column j's target id)
+        and ``lm_head(hidden, rows)`` must return logits of those rows only.
         """
         device = self.fc.weight.device
         ids = torch.full((1, self.block_size), self.cfg.mask_token_id, dtype=torch.long, device=device)
@@ -274,7 +276,8 @@ class DFlashDrafter(nn.Module):
             empty = x.new_zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
             ctx_kv = [(empty, empty)] * len(self.layers)
         hidden = self.blocks(x, pos, ctx_kv)[0, 1:].to(emb.dtype)
-        logits = lm_head(hidden) if self.draft_vocab is None else lm_head(hidden, self.draft_vocab)
+        rows = vocab if vocab is not None else self.draft_vocab
+        logits = lm_head(hidden) if rows is None else lm_head(hidden, rows)
         return torch.log_softmax(logits.float(), dim=-1)
 
 

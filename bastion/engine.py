@@ -223,6 +223,28 @@ class Engine:
         return best_first_from_topk(root, vals, ids, self._rule(cfg), lambda n: self.latency.predict(n, context),
                                     self.latency.round_overhead())
 
+    def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
+        """The drafter's draft vocabulary widened by the prompt's tokens (None: full vocabulary).
+
+        A small static vocabulary misses the rare words a reply copies from its prompt (names, topic
+        words), and each miss ends a round's accepted path; adding the request's own tokens costs a
+        few rows of the LM head.
+        """
+        base = getattr(self.drafter, "draft_vocab", None)
+        if base is None:
+            return None, set()
+        members = set(base.tolist())
+        return self._widen_vocab(base, members, prompt_ids), members
+
+    @staticmethod
+    def _widen_vocab(vocab: torch.Tensor, members: set[int], ids: list[int]) -> torch.Tensor:
+        """vocab with the ids it lacks appended; ``members`` (vocab as a set) is updated in place."""
+        extra = list(dict.fromkeys(i for i in ids if i not in members))
+        if not extra:
+            return vocab
+        members.update(extra)
+        return torch.cat([vocab, torch.tensor(extra, dtype=vocab.dtype, device=vocab.device)])
+
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
         """Yield one Step per round until a stop token, max_new_tokens or the context limit."""
@@ -242,6 +264,7 @@ class Engine:
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
+        vocab, in_vocab = self._request_vocab(prompt_ids)
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
         while True:
@@ -250,11 +273,14 @@ class Engine:
             topk = None
             if cfg.strategy != "ar":
                 with self.timer(times, "draft"):
-                    logq = drafter.draft(dcache, root, target.embed, target.lm_head)
+                    if vocab is None:
+                        logq = drafter.draft(dcache, root, target.embed, target.lm_head)
+                    else:
+                        logq = drafter.draft(dcache, root, target.embed, target.lm_head, vocab)
                     # never draft past the context limit; one host transfer of the top-k lists
                     logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
                     k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
-                    topk = topk_marginals(logq, max(k, TOPK_RECORDED), getattr(drafter, "draft_vocab", None))
+                    topk = topk_marginals(logq, max(k, TOPK_RECORDED), vocab)
             with self.timer(times, "build"):
                 exp = self._build(cfg, root, topk, prefix)
                 tree = exp.tree
@@ -276,6 +302,8 @@ class Engine:
             if generated + len(new) >= cfg.max_new_tokens:
                 new, finish = new[:cfg.max_new_tokens - generated], finish or "max_new_tokens"
             generated += len(new)
+            if vocab is not None and not in_vocab.issuperset(new):  # a word the draft vocabulary lacked
+                vocab = self._widen_vocab(vocab, in_vocab, new)
             if not finish and committed + len(new) + 1 >= limit:
                 finish = "context limit"
             predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement

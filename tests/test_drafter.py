@@ -147,8 +147,13 @@ def test_draft_vocabulary_round_trip_and_lossless(tmp_path):
     for s in ("chain", "fixed", "bastion"):
         steps = list(engine.generate([5, 6, 7], GenerationConfig(strategy=s, max_new_tokens=16)))
         assert [t for st in steps for t in st.tokens] == ref
-        drafted = {t for st in steps for t in st.tree.tokens[1:]}
-        assert drafted and drafted <= set(vocab.tolist())
+        # drafts come from the draft vocabulary, widened by the prompt and by tokens already generated
+        allowed = set(vocab.tolist()) | {5, 6, 7}
+        for st in steps:
+            assert set(st.tree.tokens[1:]) <= allowed
+            allowed |= set(st.tokens)
+    widened = engine._request_vocab([5, 6, 7, 9])[0]
+    assert widened.tolist() == vocab.tolist() + [6]  # odd ids are already there
 
 
 def test_draft_vocabulary_logits_are_the_head_rows():
