@@ -42,6 +42,7 @@ class GenerationConfig:
     max_nodes: int = 128
     min_nodes: int = 0
     lookahead: int = 8
+    skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -150,6 +151,43 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class DraftGate:
+    """Bastion's size-zero option: skip the draft while drafting is predicted not to pay.
+
+    The throughput rule sizes a tree once the draft is paid for. One size is left out: no draft at
+    all, a plain step at 1 / (T_o + C(1)). After each draft the gate compares that rate with the
+    predicted rate of the tree the rule chose, S_n / (T_d + T_o + C(n)); when the tree loses, the next
+    ``skip`` rounds go without a draft (1, 2, 4, … up to ``max_skip`` while it keeps losing; back to 1
+    as soon as a draft pays). Skipped rounds still feed the drafter's context, and every round is
+    verified by the target, so the output is unchanged: only the speed on a weak drafter (or at a
+    high temperature) is protected.
+    """
+
+    max_skip: int = 8
+    skip: int = 1
+    left: int = 0
+    tree_rate: float = 0.0
+    plain_rate: float = 0.0
+
+    def draft_now(self) -> bool:
+        if self.left > 0:
+            self.left -= 1
+            return False
+        return True
+
+    def judge(self, tree_rate: float, plain_rate: float) -> None:
+        self.tree_rate, self.plain_rate = tree_rate, plain_rate
+        if tree_rate < plain_rate:
+            self.left, self.skip = self.skip, min(2 * self.skip, self.max_skip)
+        else:
+            self.skip = 1
+
+    def reason(self) -> str:
+        return (f"draft skipped: the last tree was predicted at {self.tree_rate:.1f} tok/s, "
+                f"below a plain step's {self.plain_rate:.1f} tok/s")
 
 
 class Timer:
@@ -265,13 +303,15 @@ class Engine:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
         vocab, in_vocab = self._request_vocab(prompt_ids)
+        gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
         while True:
             times = StageTimes()
             prefix = target.cache_len  # = committed − 1: every committed token but the root
             topk = None
-            if cfg.strategy != "ar":
+            drafting = cfg.strategy != "ar" and (gate is None or gate.draft_now())
+            if drafting:
                 with self.timer(times, "draft"):
                     if vocab is None:
                         logq = drafter.draft(dcache, root, target.embed, target.lm_head)
@@ -284,6 +324,12 @@ class Engine:
             with self.timer(times, "build"):
                 exp = self._build(cfg, root, topk, prefix)
                 tree = exp.tree
+                if gate is not None and drafting:
+                    c1, cn = self.latency.predict(1, prefix), self.latency.predict(len(tree), prefix)
+                    gate.judge(tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
+                               1.0 / max(self.latency.overhead_s + c1, 1e-12))
+                elif gate is not None:
+                    exp.stop_reason = gate.reason()
                 mask, pos = self.kernels.tree_mask(tree.parents, prefix, target.dtype, device)
                 tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)
             with self.timer(times, "verify"):
@@ -308,7 +354,7 @@ class Engine:
                 finish = "context limit"
             predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement
             self.latency.observe(len(tree), prefix, times.verify)
-            self.latency.observe_overheads(times.draft, times.build + times.commit)
+            self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
             step = Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
                         self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
                         exp.round_overhead, times, committed, generated, time.perf_counter() - t_start - paused,

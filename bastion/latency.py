@@ -197,13 +197,12 @@ class LatencyModel:
         del self.samples[:-self.window]
         self._refit()
 
-    def observe_overheads(self, draft_s: float, overhead_s: float, rate: float = 0.2) -> None:
-        """Exponential running averages of T_d and T_o."""
-        if self.draft_s == 0.0 and self.overhead_s == 0.0:
-            self.draft_s, self.overhead_s = draft_s, overhead_s
-        else:
-            self.draft_s += rate * (draft_s - self.draft_s)
-            self.overhead_s += rate * (overhead_s - self.overhead_s)
+    def observe_overheads(self, draft_s: float | None, overhead_s: float, rate: float = 0.2) -> None:
+        """Exponential running averages of T_d and T_o. ``draft_s`` None: the round drafted nothing
+        (AR, or a skipped draft), which says nothing about T_d and must not pull it toward 0."""
+        self.overhead_s = overhead_s if self.overhead_s == 0.0 else self.overhead_s + rate * (overhead_s - self.overhead_s)
+        if draft_s is not None:
+            self.draft_s = draft_s if self.draft_s == 0.0 else self.draft_s + rate * (draft_s - self.draft_s)
 
     def _refit(self, iterations: int = 3) -> None:
         n = len(self.samples)

@@ -275,14 +275,18 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
                              f"the data has {meta['layer_ids']}")
     else:
         drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
-    if draft_vocab and not state_path.exists():
-        from .engine import stop_token_ids
-        stops = stop_token_ids(target.tokenizer, target.model.generation_config)
-        drafter.set_draft_vocab(build_draft_vocab(records, draft_vocab, target.vocab_size, stops))
+    from .engine import stop_token_ids
+    stops = stop_token_ids(target.tokenizer, target.model.generation_config)
+
+    def fit_vocab(size: int) -> None:
+        # the vocabulary only selects rows of the (frozen) LM head: it can be refitted as data grows
+        drafter.set_draft_vocab(build_draft_vocab(records, size, target.vocab_size, stops))
         covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), drafter.draft_vocab).sum()) for r in records)
         total = sum(len(r["ids"]) - r["prompt_len"] for r in records)
-        print(f"draft vocabulary: {draft_vocab} ids cover {covered / max(total, 1):.2%} of response tokens",
-              file=sys.stderr)
+        print(f"\ndraft vocabulary: {size} ids cover {covered / max(total, 1):.2%} of response tokens", file=sys.stderr)
+
+    if draft_vocab and not state_path.exists():
+        fit_vocab(draft_vocab)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, log, rng = 0, [], random.Random(seed)
@@ -320,6 +324,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
             records = load_shards(data)
             n_shards = _count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
+            if drafter.draft_vocab is not None:
+                fit_vocab(len(drafter.draft_vocab))
         if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
             _atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                           "rng": rng.getstate()}, state_path)

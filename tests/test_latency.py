@@ -79,3 +79,14 @@ def test_ar_only_measurements_do_not_extrapolate():
     prior.observe(1, 100, 0.05)
     ratio = (lm.predict(64, 228) - lm.predict(1, 228)) / (prior.predict(64, 228) - prior.predict(1, 228))
     assert 0.3 < ratio < 3.0, ratio
+
+
+def test_rounds_without_a_draft_leave_the_draft_time_alone():
+    """AR rounds (or skipped drafts) report no draft time; T_d must keep its last estimate."""
+    lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9))
+    lm.observe_overheads(0.02, 0.001)
+    for _ in range(50):
+        lm.observe_overheads(None, 0.003)
+    assert lm.draft_s == 0.02 and abs(lm.overhead_s - 0.003) < 1e-6
+    lm.observe_overheads(0.04, 0.003)
+    assert abs(lm.draft_s - 0.024) < 1e-9

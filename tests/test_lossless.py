@@ -104,3 +104,49 @@ def test_decode_clock_excludes_the_consumers_time():
     assert len(steps) >= 2
     assert steps[-1].elapsed_s < wall - 0.05 * (len(steps) - 1)
     assert all(b.elapsed_s >= a.elapsed_s for a, b in zip(steps, steps[1:]))
+
+
+def _frozen_latency(engine, draft_s, overhead_s=1e-4):
+    """A latency model that no longer learns: C(n) = 1 ms + 0.1 ms per node."""
+    lat = engine.latency
+    lat.draft_s, lat.overhead_s = draft_s, overhead_s
+    lat.observe = lat.observe_overheads = lambda *a, **k: None
+    lat.predict = lambda s, c: 1e-3 * (1 + 0.1 * s)
+
+
+def test_draft_gate_skips_a_useless_drafter_with_backoff_and_stays_lossless():
+    from bastion.engine import DraftGate
+    target = tiny_target("llama", dtype=torch.float64)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    _frozen_latency(engine, draft_s=5e-3)  # a draft costs five plain steps: a random drafter cannot pay
+    prompt = [3, 5, 7]
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=40)).token_ids
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40)))
+    assert [t for s in steps for t in s.tokens] == ref
+    drafted = [bool(s.draft_ids) for s in steps]
+    # draft, skip 1, draft, skip 2, draft, skip 4, draft, skip 8, draft, skip 8 ...
+    expect = []
+    for k in (1, 2, 4, 8, 8, 8, 8):
+        expect += [True] + [False] * k
+    n = len(drafted)
+    assert drafted == expect[:n], drafted
+    assert all(s.stop_reason.startswith("draft skipped") and len(s.tree) == 1 for s in steps if not s.draft_ids)
+    # switched off, every round drafts
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=12, skip_draft=False)))
+    assert all(s.draft_ids for s in steps)
+    g = DraftGate(max_skip=4)
+    g.judge(2.0, 1.0)
+    assert g.draft_now() and g.skip == 1
+
+
+def test_draft_gate_never_skips_a_drafter_that_pays():
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7]
+    full = hf_greedy(target, prompt, 30)
+    engine = Engine(target, OracleDrafter(tiny_drafter(target), full, target.vocab_size, hit=0.95, spread=1,
+                                                   sharpness=20.0),
+                    kernels="torch", stop_ids=set())
+    _frozen_latency(engine, draft_s=2e-4)
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=30)))
+    assert all(s.draft_ids for s in steps)
+    assert [t for s in steps for t in s.tokens] == full[len(prompt):]

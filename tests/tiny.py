@@ -47,8 +47,9 @@ class OracleDrafter:
     """
 
     def __init__(self, inner: DFlashDrafter, reference: list[int], vocab: int, hit: float = 0.7,
-                 spread: int = 3, seed: int = 0):
+                 spread: int = 3, seed: int = 0, sharpness: float = 2.0):
         self.inner, self.cfg, self.block_size = inner, inner.cfg, inner.block_size
+        self.sharpness = sharpness  # logit scale: higher = a more confident drafter
         self.reference, self.vocab, self.hit, self.spread = reference, vocab, hit, spread
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -66,4 +67,4 @@ class OracleDrafter:
                 top = torch.topk(logits[i], self.spread).values
                 rank = int(torch.randint(self.spread, (1,), generator=self.gen))
                 logits[i, self.reference[pos + i]] = top[rank] + 0.01
-        return torch.log_softmax(logits * 2.0, dim=-1)
+        return torch.log_softmax(logits * self.sharpness, dim=-1)
