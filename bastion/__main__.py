@@ -26,6 +26,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--strategy", default="bastion", help="|".join(STRATEGIES))
     g.add_argument("--budget", type=int, default=32, help="draft nodes for --strategy fixed")
     g.add_argument("--max-nodes", type=int, default=128, help="cap on draft nodes for bastion")
+    g.add_argument("--no-skip-draft", action="store_true",
+                   help="bastion: draft every round, even when a plain step is predicted faster")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -45,7 +47,8 @@ def run_generate(a) -> int:
     from .loading import DTYPES
 
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                           top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes)
+                           top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
+                           skip_draft=not a.no_skip_draft)
     try:
         cfg.validate()
     except ValueError as exc:

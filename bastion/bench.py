@@ -60,10 +60,11 @@ class Strategy:
     name: str
     kind: str
     budget: int = 32
+    skip_draft: bool = True  # bastion's draft gate; 'bastion:always' drafts every round (the paper's loop)
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed)
+                                temperature=temperature, seed=seed, skip_draft=self.skip_draft)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -83,12 +84,14 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, name)
     if name in HF_BASELINES:
         return Strategy(name, "hf")
+    if name == "bastion:always":
+        return Strategy(name, "bastion", skip_draft=False)
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(HF_BASELINES)}")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, {', '.join(HF_BASELINES)}")
 
 
 @dataclass(frozen=True)
