@@ -336,8 +336,24 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     print(file=sys.stderr)
 
 
-def plot_log(log: list[dict], path: Path, smooth: int = 25) -> None:
-    """Loss and per-depth accuracy curves (moving averages) as a PNG."""
+def read_logs(ckpts: list[Path]) -> tuple[list[dict], list[int]]:
+    """The logs of several checkpoint folders (a drafter's lineage: each run warm-started from the
+    previous one's export), concatenated with steps renumbered; returns (log, steps where a run begins)."""
+    log, starts = [], []
+    for folder in ckpts:
+        path = folder / "log.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        part = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        offset = log[-1]["step"] if log else 0
+        if log:
+            starts.append(offset)
+        log += [{**x, "step": x["step"] + offset} for x in part]
+    return log, starts
+
+
+def plot_log(log: list[dict], path: Path, smooth: int = 25, starts: list[int] = ()) -> None:
+    """Loss and per-depth accuracy curves (moving averages) as a PNG; dotted lines where a run began."""
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -361,6 +377,9 @@ def plot_log(log: list[dict], path: Path, smooth: int = 25) -> None:
     ax2.plot(steps, avg([x["chain_len"] for x in log]), color="black", ls="--", label="accepted chain length")
     ax2.set(xlabel="step", ylabel="top-1 accuracy / tokens", title="per-depth accuracy (teacher forced)")
     ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        for x in starts:
+            ax.axvline(x, color="gray", ls=":", lw=1)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -395,15 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--draft-vocab", type=int, default=0,
                    help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
     c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
-    c.add_argument("--ckpt", type=Path, required=True)
+    c.add_argument("--ckpt", type=Path, required=True, action="append",
+                   help="checkpoint folder; repeat to draw a lineage of warm-started runs end to end")
     c.add_argument("--out", type=Path, required=True)
     for p in (d, f):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     a = ap.parse_args(argv)
     if a.cmd == "plot":
-        log = [json.loads(x) for x in (a.ckpt / "log.jsonl").read_text().splitlines() if x.strip()]
-        plot_log(log, a.out)
+        log, starts = read_logs(a.ckpt)
+        plot_log(log, a.out, starts=starts)
         return 0
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -56,5 +56,8 @@ def test_data_fit_resume_and_plot_on_the_embedded_target(tmp_path, capsys):
     assert [x["step"] for x in log] == [1, 2, 3, 4]
     d = load_drafter(tmp_path / "drafter", 576, 49152, 30)
     assert d.draft_vocab is not None and len(d.draft_vocab) == 512
-    assert main(["plot", "--ckpt", str(ckpt), "--out", str(tmp_path / "loss.png")]) == 0
+    assert main(["plot", "--ckpt", str(ckpt), "--ckpt", str(ckpt), "--out", str(tmp_path / "loss.png")]) == 0
+    from bastion.train import read_logs
+    both, starts = read_logs([ckpt, ckpt])
+    assert [x["step"] for x in both] == [1, 2, 3, 4, 5, 6, 7, 8] and starts == [4]
     assert (tmp_path / "loss.png").stat().st_size > 1000
