@@ -370,7 +370,7 @@ def plot_log(log: list[dict], path: Path, smooth: int = 25, starts: list[int] = 
     fig = Figure(figsize=(9, 3.6), dpi=110)
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(steps, avg([x["loss"] for x in log]), color="tab:blue")
-    ax1.set(xlabel="step", ylabel="weighted block cross-entropy", title="training loss")
+    ax1.set(xlabel="step", ylabel="weighted block cross-entropy", title="training loss", yscale="log")
     for k in (0, 1, 3, 7):
         if len(log[-1]["acc"]) > k:
             ax2.plot(steps, avg([x["acc"][k] if len(x["acc"]) > k else float("nan") for x in log]), label=f"depth {k + 1}")
