@@ -342,7 +342,7 @@ def add_parser(sub) -> None:
                        description="Run every strategy on every prompt, interleaved; write results.json, "
                                    "results.md, rounds.csv and PNG plots.")
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
-    b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion")
+    b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off)")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
     b.add_argument("--max-new-tokens", type=int, default=128)
