@@ -203,8 +203,11 @@ class Runtime:
     def warmup(self) -> None:
         """A few tokens per strategy so the first measured run is not paying one-time costs."""
         ids = self.encode("Hello")
-        for strategy in ("ar", "bastion") if self.has_drafter else ("ar",):
-            for _ in self.stream(ids, GenerationConfig(strategy=strategy, max_new_tokens=8)):
+        # fixed trees of 9 and 49 nodes give the latency model two tree sizes to fit its slope on:
+        # a first Bastion run that only ever verified large trees could not tell C(n)'s slope
+        runs = [("ar", 1), ("fixed", 8), ("fixed", 48), ("bastion", 32)] if self.has_drafter else [("ar", 1)]
+        for strategy, budget in runs:
+            for _ in self.stream(ids, GenerationConfig(strategy=strategy, budget=budget, max_new_tokens=8)):
                 pass
 
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
