@@ -64,7 +64,8 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
     old = out / "meta.json"
     if old.is_file() and any(out.glob("shard_*.pt")):
         prev = json.loads(old.read_text())
-        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if prev.get(k, meta[k] if k != "corpus" else "base") != meta[k]]
+        before = {"corpus": "base", "seed": 0} | prev  # folders made before these keys existed
+        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if before.get(k) != meta[k]]
         if clash:  # finished shards would silently belong to another prompt list
             raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
     (out / "meta.json").write_text(json.dumps(meta))
