@@ -93,7 +93,7 @@ def _hover(step: dict, i: int, status: str) -> str:
     choice = step["choices"][i] if i < len(step.get("choices", [])) else None
     lines = [f"<b>{html.escape(repr(_text(step, tree['tokens'][i])))}</b> (id {tree['tokens'][i]})",
              f"depth {tree['depths'][i]} · pop order {i}",
-             f"marginal q = {tree['marginals'][i]:.3g} · path P = {tree['path_probs'][i]:.3g}"]
+             f"drafter q = {tree['marginals'][i]:.3g} · path P (calibrated) = {tree['path_probs'][i]:.3g}"]
     if choice is not None:
         lines.append(f"target chose here: {html.escape(repr(_text(step, choice)))}")
     lines.append(status)

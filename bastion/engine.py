@@ -15,8 +15,9 @@ from typing import Iterator
 
 import torch
 
+from .calibration import AcceptanceCalibrator
 from .drafter import DFlashDrafter
-from .expansion import BudgetRule, Decision, Expansion, best_first_from_topk, chain_from_topk, topk_marginals
+from .expansion import BudgetRule, Decision, Expansion, best_first_from_topk, chain_from_topk, topk_tensors
 from .kernels import get_kernels
 from .latency import LatencyModel, ModelSpec, hardware_for
 from .target import Target
@@ -43,6 +44,7 @@ class GenerationConfig:
     min_nodes: int = 0
     lookahead: int = 8
     skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
+    calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -99,7 +101,9 @@ class Step:
     prefill_s: float = 0.0       # time of the prompt's prefill (same in every step of a run)
     finished: bool = False
     finish_reason: str = ""
-    draft_logq: list[list[float]] = field(default_factory=list)  # per depth, top-k log q (descending)
+    # per depth, the top-k log confidences the tree was built from (descending): log g(q) once the
+    # calibrator has data, log q before (and for chain, which takes the argmax whatever the values)
+    draft_logq: list[list[float]] = field(default_factory=list)
     draft_ids: list[list[int]] = field(default_factory=list)     # per depth, their token ids
 
     def to_dict(self) -> dict:
@@ -239,6 +243,12 @@ class Engine:
                                                hardware_for(target.device, target.dtype))
         self.stop_ids = stop_ids if stop_ids is not None else stop_token_ids(target.tokenizer, target.model.generation_config)
         self.timer = Timer(target.device)
+        # one calibrator per acceptance rule: T = 0 and each (T, top-k, top-p) accept differently
+        self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
+
+    def calibrator(self, cfg: GenerationConfig) -> AcceptanceCalibrator:
+        key = (cfg.temperature, cfg.top_k or 0, cfg.top_p or 1.0) if cfg.temperature > 0 else (0.0, 0, 1.0)
+        return self.calibrators.setdefault(key, AcceptanceCalibrator())
 
     # ----------------------------------------------------------------- helpers
     def _decode(self, ids: list[int]) -> list[str]:
@@ -250,16 +260,18 @@ class Engine:
         return BudgetRule("adaptive" if adaptive else "fixed", cfg.budget, cfg.max_nodes if adaptive else cfg.budget,
                           self.drafter.block_size - 1, cfg.min_nodes, cfg.lookahead)
 
-    def _build(self, cfg: GenerationConfig, root: int, topk: tuple[list, list] | None, context: int) -> Expansion:
-        """The tree of this round: root only (ar), the argmax path (chain) or best-first (fixed, bastion)."""
+    def _build(self, cfg: GenerationConfig, root: int, topk: tuple[list, list] | None, context: int,
+               raw: list[list[float]] | None = None) -> Expansion:
+        """The tree of this round: root only (ar), the argmax path (chain) or best-first (fixed, bastion).
+        ``topk`` holds the (possibly calibrated) log confidences and ids, ``raw`` the drafter's log q."""
         if topk is None:
             c1 = self.latency.predict(1, context)
             return Expansion(DraftTree.root_only(root), stop_reason="autoregressive: root only", root_cost=c1)
         vals, ids = topk
         if cfg.strategy == "chain":
-            return chain_from_topk(root, vals, ids)
+            return chain_from_topk(root, vals, ids, raw)
         return best_first_from_topk(root, vals, ids, self._rule(cfg), lambda n: self.latency.predict(n, context),
-                                    self.latency.round_overhead())
+                                    self.latency.round_overhead(), raw)
 
     def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
         """The drafter's draft vocabulary widened by the prompt's tokens (None: full vocabulary).
@@ -303,26 +315,27 @@ class Engine:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
         vocab, in_vocab = self._request_vocab(prompt_ids)
+        calib = self.calibrator(cfg)
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
         while True:
             times = StageTimes()
             prefix = target.cache_len  # = committed − 1: every committed token but the root
-            topk = None
+            topk = raw_logq = None
             drafting = cfg.strategy != "ar" and (gate is None or gate.draft_now())
             if drafting:
                 with self.timer(times, "draft"):
-                    if vocab is None:
-                        logq = drafter.draft(dcache, root, target.embed, target.lm_head)
-                    else:
-                        logq = drafter.draft(dcache, root, target.embed, target.lm_head, vocab)
+                    logq = drafter.draft(dcache, root, target.embed, target.lm_head, vocab)
                     # never draft past the context limit; one host transfer of the top-k lists
                     logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
                     k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
-                    topk = topk_marginals(logq, max(k, TOPK_RECORDED), vocab)
+                    raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), vocab)
+                    used = calib.log_g(raw) if cfg.calibrate else raw
+                    topk = (used.float().cpu().tolist(), ids.cpu().tolist())
+                    raw_logq = raw.float().cpu().tolist() if used is not raw else None
             with self.timer(times, "build"):
-                exp = self._build(cfg, root, topk, prefix)
+                exp = self._build(cfg, root, topk, prefix, raw_logq)
                 tree = exp.tree
                 if gate is not None and drafting:
                     c1, cn = self.latency.predict(1, prefix), self.latency.predict(len(tree), prefix)
@@ -339,6 +352,8 @@ class Engine:
                 target.commit(prefix, acc.accepted)
                 if dcache is not None and out.features is not None:
                     drafter.extend_cache(dcache, out.features[acc.accepted])
+                if cfg.calibrate and topk is not None:  # tree.marginals hold the drafter's raw q
+                    calib.observe(tree, tree.marginals, acc.accepted)
             new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
             finish = ""
             for j, tok in enumerate(new):

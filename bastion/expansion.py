@@ -74,15 +74,22 @@ class BudgetRule:
     lookahead: int = 8
 
 
-def topk_marginals(logq: torch.Tensor, k: int, vocab: torch.Tensor | None = None
-                   ) -> tuple[list[list[float]], list[list[int]]]:
-    """Per depth, the top-k log-probabilities and token ids, as Python lists (one host transfer).
+def topk_tensors(logq: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per depth, the top-k log-probabilities [D, k] (descending) and their token ids [D, k].
 
     ``vocab`` [V_d] maps column j of logq [D, V_d] to its token id (a drafter's draft vocabulary).
     """
     vals, ids = torch.topk(logq, min(k, logq.shape[-1]), dim=-1)
     if vocab is not None:
         ids = vocab.to(ids.device)[ids]
+    return vals, ids
+
+
+def topk_marginals(logq: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+                   ) -> tuple[list[list[float]], list[list[int]]]:
+    """:func:`topk_tensors` as Python lists (one host transfer each)."""
+    vals, ids = topk_tensors(logq, k, vocab)
     return vals.float().cpu().tolist(), ids.cpu().tolist()
 
 
@@ -92,13 +99,16 @@ def chain_tree(root: int, logq: torch.Tensor, max_depth: int) -> Expansion:
     return chain_from_topk(root, vals, ids)
 
 
-def chain_from_topk(root: int, vals: list[list[float]], ids: list[list[int]]) -> Expansion:
-    """The chain through the rank-0 token of every depth (lists as from :func:`topk_marginals`)."""
+def chain_from_topk(root: int, vals: list[list[float]], ids: list[list[int]],
+                    raw: list[list[float]] | None = None) -> Expansion:
+    """The chain through the rank-0 token of every depth (lists as from :func:`topk_marginals`;
+    ``raw``: see :func:`best_first_from_topk`)."""
     tree = DraftTree.root_only(root)
+    raw = raw or vals
     logp = 0.0
     for d, (v, t) in enumerate(zip(vals, ids)):
         logp += v[0]
-        tree.add(t[0], d, math.exp(v[0]), math.exp(logp), 0)
+        tree.add(t[0], d, math.exp(raw[d][0]), math.exp(logp), 0)
     return Expansion(tree, stop_reason="chain: the argmax of every depth")
 
 
@@ -114,12 +124,16 @@ def best_first_tree(root: int, logq: torch.Tensor, rule: BudgetRule,
 
 
 def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]], rule: BudgetRule,
-                         cost: Callable[[int], float] | None = None, round_overhead: float = 0.0) -> Expansion:
+                         cost: Callable[[int], float] | None = None, round_overhead: float = 0.0,
+                         raw: list[list[float]] | None = None) -> Expansion:
     """Grow a tree best-first.
 
     Args:
         root: the root token (node 0).
-        vals, ids: per depth 1..D, the drafter's top-k log-probabilities (descending) and token ids.
+        vals, ids: per depth 1..D, the top-k log confidences (descending) and token ids: the drafter's
+            log q, or calibrated log g(q) (calibration.py), which the path probabilities multiply.
+        raw: the drafter's log q for the same entries when ``vals`` are calibrated; stored as the
+            nodes' marginals (default: ``vals``).
         rule: fixed budget or adaptive rule, with caps.
         cost: n_nodes -> predicted verification seconds C(n) (tree size including the root);
             required for 'adaptive', used for the trace of 'fixed'.
@@ -128,6 +142,7 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
     max_depth = min(rule.max_depth, len(vals))
     limit = min(rule.budget if rule.kind == "fixed" else rule.max_nodes, rule.max_nodes)
     tree = DraftTree.root_only(root)
+    raw = raw or vals
     c_now = cost(1) if cost else 0.0
     exp = Expansion(tree, root_cost=c_now, round_overhead=round_overhead,
                     root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0)
@@ -145,7 +160,7 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
         neg, _, d, r, parent, parent_logp = heapq.heappop(heap)
         logp = -neg
         idx = len(nodes) + 1
-        nodes.append((ids[d - 1][r], parent, math.exp(vals[d - 1][r]), math.exp(logp), r))
+        nodes.append((ids[d - 1][r], parent, math.exp(raw[d - 1][r]), math.exp(logp), r))
         if r + 1 < width:
             heapq.heappush(heap, (-(parent_logp + vals[d - 1][r + 1]), counter, d, r + 1, parent, parent_logp))
             counter += 1

@@ -22,7 +22,8 @@ class DraftTree:
         parents:    index of the parent node, -1 for the root.
         depths:     0 for the root, parent depth + 1 otherwise.
         marginals:  q_d(token) of the drafter at that depth (1.0 for the root).
-        path_probs: P(v) = product of marginals along the path from the root (1.0 for the root).
+        path_probs: P(v) = product along the path from the root of the confidences the tree was built
+                    from: the marginals, or their calibrated g(q) (calibration.py); 1.0 for the root.
         ranks:      rank of the token among the drafter's top-K at its depth (0 for the root).
     """
 

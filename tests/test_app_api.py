@@ -39,7 +39,7 @@ class SharpDrafter:
     def extend_cache(self, cache, features):
         self.inner.extend_cache(cache, features)
 
-    def draft(self, cache, root, embed, lm_head):
+    def draft(self, cache, root, embed, lm_head, vocab=None):  # no draft vocabulary: vocab stays None
         return torch.log_softmax(self.factor * self.inner.draft(cache, root, embed, lm_head), dim=-1)
 
 

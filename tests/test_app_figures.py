@@ -93,7 +93,7 @@ def test_tree_figure_highlights_accepted_path_and_bonus():
     assert bold.line.width == 4 and len([x for x in bold.x if x is not None]) == 2 * (len(ACCEPTED) - 1)
     assert "tok16" in acc.text  # node text is the token
     hover = acc.hovertext[list(acc.x).index(depth[4])]
-    assert "depth 2" in hover and "pop order 4" in hover and "path P = 0.25" in hover and "target chose" in hover
+    assert "depth 2" in hover and "pop order 4" in hover and "path P (calibrated) = 0.25" in hover and "target chose" in hover
     assert "Round 3" in fig.layout.title.text and "3 accepted + bonus" in fig.layout.title.text
 
 

@@ -59,7 +59,7 @@ class OracleDrafter:
     def extend_cache(self, cache, features):
         self.inner.extend_cache(cache, features)
 
-    def draft(self, cache, root, embed, lm_head):
+    def draft(self, cache, root, embed, lm_head, vocab=None):  # no draft vocabulary: vocab stays None
         logits = torch.randn(self.block_size - 1, self.vocab, generator=self.gen)
         pos = cache.length + 1  # index in `reference` of the token after the root
         for i in range(self.block_size - 1):

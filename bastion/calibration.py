@@ -1,0 +1,162 @@
+"""Online calibration of the drafter's confidences into acceptance probabilities.
+
+Best-first expansion ranks candidates by a surrogate of their acceptance probability. The plain
+surrogate uses the drafter's marginal q at each depth as P(accepted | parent accepted), which is
+right only if the drafter is calibrated for the acceptance rule in use. At T = 0 a node is accepted
+iff it is the target's argmax, and a drafter trained on greedy continuations is close to calibrated
+for that. At T > 0 a node is accepted iff the target's *sample* at its parent equals it, which
+happens with the target's probability p(y) — usually well below a sharp drafter's q(y) — so the
+plain surrogate overstates S_n, grows trees too large and never lets the draft gate fire.
+
+This module learns, from the verifications the engine runs anyway,
+
+    g(q, d) ≈ P(node accepted | its parent accepted, drafter marginal q, depth group of d)
+
+with a monotone piecewise-linear fit per depth group: the q axis is cut into bins; bin b's knot
+sits at (q̄_b, ĝ_b) with ĝ_b = (hits_b + k·q̄_b) / (tries_b + k), a prior of k pseudo-observations
+at the identity, so an empty calibrator is exactly g(q) = q; pool-adjacent-violators makes the
+knots non-decreasing and counts decay geometrically so the fit follows the current request.
+
+g is non-decreasing in q and ≤ 1, so sibling order (descending q) and "a child never beats its
+parent" both survive: best-first expansion stays exact under the calibrated surrogate
+P(v) = Π g(q_i, d_i). Calibration only changes which tree is verified, never what is accepted,
+so decoding stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .tree import DraftTree
+
+
+def _pav(y: list[float], w: list[float]) -> list[float]:
+    """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [m for m, _, c in blocks for _ in range(c)]
+
+
+@dataclass
+class AcceptanceCalibrator:
+    """g(q, d): monotone in q per depth group, learned online from verified trees.
+
+    Attributes:
+        depth_groups: first depth of each group, ascending from 1 (default: 1, 2, 3–4, 5–8, 9+).
+        bins: equal-width bins of q on [0, 1].
+        prior: pseudo-observations per bin pulling ĝ toward the identity.
+        decay: factor applied to all counts after each observed round.
+        grid: resolution of the lookup table used by :meth:`log_g`.
+    """
+
+    depth_groups: tuple[int, ...] = (1, 2, 3, 5, 9)
+    bins: int = 10
+    prior: float = 4.0
+    decay: float = 0.995
+    grid: int = 512
+    hits: torch.Tensor = field(default=None)   # [G, bins] decayed accepted counts
+    tries: torch.Tensor = field(default=None)  # [G, bins] decayed tested counts
+    qsum: torch.Tensor = field(default=None)   # [G, bins] decayed Σ q of tested nodes
+    _table: torch.Tensor | None = field(default=None, repr=False)  # [G, grid] log g on the q grid
+
+    def __post_init__(self) -> None:
+        if list(self.depth_groups) != sorted(set(self.depth_groups)) or self.depth_groups[0] != 1:
+            raise ValueError(f"depth_groups must ascend from 1, got {self.depth_groups}")
+        shape = (len(self.depth_groups), self.bins)
+        for name in ("hits", "tries", "qsum"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(shape, dtype=torch.float64))
+
+    # ------------------------------------------------------------- learning
+    def group(self, depth: int) -> int:
+        return sum(1 for g in self.depth_groups if depth >= g) - 1
+
+    def observe(self, tree: DraftTree, raw_marginals: list[float], accepted: list[int]) -> int:
+        """Count every *tested* node of one verified tree: a node whose parent was accepted.
+
+        ``raw_marginals[i]`` is node i's drafter marginal q (uncalibrated); ``accepted`` the walked
+        node indices, root first. Returns the number of nodes counted.
+        """
+        on_path = set(accepted)
+        self.hits.mul_(self.decay)
+        self.tries.mul_(self.decay)
+        self.qsum.mul_(self.decay)
+        n = 0
+        for i in range(1, len(tree)):
+            if tree.parents[i] not in on_path:
+                continue
+            q = min(max(raw_marginals[i], 0.0), 1.0)
+            g, b = self.group(tree.depths[i]), min(int(q * self.bins), self.bins - 1)
+            self.tries[g, b] += 1.0
+            self.qsum[g, b] += q
+            self.hits[g, b] += 1.0 if i in on_path else 0.0
+            n += 1
+        self._table = None
+        return n
+
+    def knots(self, g: int) -> tuple[list[float], list[float]]:
+        """(q̄_b, ĝ_b) per bin of depth group g, ĝ made non-decreasing."""
+        mids = [(b + 0.5) / self.bins for b in range(self.bins)]
+        tries, hits, qsum = self.tries[g].tolist(), self.hits[g].tolist(), self.qsum[g].tolist()
+        xs = [qs / t if t > 1e-9 else m for qs, t, m in zip(qsum, tries, mids)]
+        ys = [(h + self.prior * x) / (t + self.prior) for h, t, x in zip(hits, tries, xs)]
+        return xs, _pav(ys, [t + self.prior for t in tries])
+
+    def _build_table(self) -> torch.Tensor:
+        q = torch.linspace(0.0, 1.0, self.grid, dtype=torch.float64)
+        rows = []
+        for g in range(len(self.depth_groups)):
+            xs, ys = self.knots(g)
+            # through the origin, then the knots, flat beyond the last one
+            x = torch.tensor([0.0] + xs + [1.0], dtype=torch.float64)
+            y = torch.tensor([0.0] + ys + [ys[-1]], dtype=torch.float64)
+            x, order = torch.sort(x)
+            y = torch.cummax(y[order], 0).values
+            j = torch.searchsorted(x, q, right=True).clamp(1, len(x) - 1)
+            x0, x1, y0, y1 = x[j - 1], x[j], y[j - 1], y[j]
+            w = torch.where(x1 > x0, (q - x0) / (x1 - x0).clamp(min=1e-12), torch.zeros_like(q))
+            rows.append((y0 + w * (y1 - y0)).clamp(1e-9, 1.0).log())
+        return torch.stack(rows).float()
+
+    # ------------------------------------------------------------- applying
+    @property
+    def observed(self) -> float:
+        return float(self.tries.sum())
+
+    def log_g(self, logq: torch.Tensor) -> torch.Tensor:
+        """log g for a [D, k] tensor of log q whose row d−1 holds depth d. Same shape and device.
+
+        With no observations this returns logq itself (the identity), so an untouched calibrator
+        leaves every strategy exactly as without it.
+        """
+        if self.observed == 0.0:
+            return logq
+        if self._table is None:
+            self._table = self._build_table()
+        D = logq.shape[0]
+        rows = torch.tensor([self.group(d + 1) for d in range(D)], dtype=torch.long)
+        idx = (logq.detach().float().cpu().exp() * (self.grid - 1)).round().long().clamp(0, self.grid - 1)
+        return self._table[rows[:, None], idx].to(logq.device, logq.dtype)
+
+    def to_dict(self) -> dict:
+        return {"depth_groups": list(self.depth_groups), "bins": self.bins, "prior": self.prior,
+                "decay": self.decay, "hits": self.hits.tolist(), "tries": self.tries.tolist(),
+                "qsum": self.qsum.tolist()}
+
+    def reliability(self) -> list[dict]:
+        """Per depth group and bin with data: mean q, observed acceptance rate, count."""
+        out = []
+        for g, first in enumerate(self.depth_groups):
+            for b in range(self.bins):
+                t = float(self.tries[g, b])
+                if t >= 1.0:
+                    out.append({"depths_from": first, "q": float(self.qsum[g, b]) / t,
+                                "rate": float(self.hits[g, b]) / t, "count": t})
+        return out
