@@ -13,7 +13,6 @@ model (so an exported run replays anywhere):
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -201,41 +200,33 @@ class Runtime:
         return {str(i): tok.decode([i]) for i in sorted(ids)}
 
     def warmup(self) -> None:
-        """A few tokens per strategy so the first measured run is not paying one-time costs."""
+        """A few tokens per strategy so the first measured run is not paying one-time costs (the
+        first Bastion run also lets the engine probe C(n) at a few tree sizes)."""
         ids = self.encode("Hello")
-        # fixed trees of 9 and 49 nodes give the latency model two tree sizes to fit its slope on:
-        # a first Bastion run that only ever verified large trees could not tell C(n)'s slope
-        runs = [("ar", 1), ("fixed", 8), ("fixed", 48), ("bastion", 32)] if self.has_drafter else [("ar", 1)]
-        for strategy, budget in runs:
-            for _ in self.stream(ids, GenerationConfig(strategy=strategy, budget=budget, max_new_tokens=8)):
+        for strategy in (("ar", "bastion") if self.has_drafter else ("ar",)):
+            for _ in self.stream(ids, GenerationConfig(strategy=strategy, max_new_tokens=8)):
                 pass
 
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
-        """Step records of one generation; the engine runs only inside ``next()``, under the lock.
-
-        AR rounds calibrate a scratch copy of the latency model, never the shared one: they all verify
-        one token, and a roofline fitted on s = 1 alone extrapolates to absurd C(n) for trees (the slope
-        is then fitted on the tiny spread the context length gives), which would starve the next Bastion run.
-        """
+        """Step records of one generation; the engine runs only inside ``next()``, under the lock."""
         with self.lock:
             self._run_id += 1
             run_id, engine = self._run_id, self.engine
-            latency = copy.deepcopy(engine.latency) if cfg.strategy == "ar" else engine.latency
-            calib = calib_snapshot(latency)
+            if cfg.strategy == "bastion" and not engine.latency.slope_identified():
+                engine.probe_latency()  # here, not inside the first round: off the clock, before the snapshot
+            calib = calib_snapshot(engine.latency)
         steps = engine.generate(prompt_ids, cfg)
         clock = 0.0
         while True:
             with self.lock:
                 if run_id != self._run_id:
                     raise RuntimeError("this run was superseded by a newer one")
-                shared, engine.latency = engine.latency, latency
                 t0 = time.perf_counter()
                 try:
                     step = next(steps, None)
                 finally:
                     clock += time.perf_counter() - t0
-                    engine.latency = shared
-                after = calib_snapshot(latency)
+                after = calib_snapshot(engine.latency)
             if step is None:
                 return
             if step.index == 0:

@@ -26,6 +26,7 @@ from .verify import SamplingParams, accept
 
 STRATEGIES = ("ar", "chain", "fixed", "bastion")
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
+PROBE_SIZES = (1, 8, 32, 64)  # tree sizes timed by Engine.probe_latency
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,32 @@ class Engine:
         members.update(extra)
         return torch.cat([vocab, torch.tensor(extra, dtype=vocab.dtype, device=vocab.device)])
 
+    def probe_latency(self, sizes: tuple[int, ...] = PROBE_SIZES, context: int = 32, repeats: int = 2) -> None:
+        """Time verifications of a few tree sizes on a dummy context and feed them to the latency model.
+
+        Online calibration fits C(n) from the rounds that ran, but a slope needs different n: after AR
+        rounds only (n = 1), or on a fresh engine, C(n) would come from the analytic prior alone. A
+        handful of forwards (well under a second on a CPU for a 135M model) identifies it. The first
+        repeat of each size is a warm-up and is not recorded. Leaves the target's cache empty.
+        """
+        target = self.target
+        sizes = [s for s in sizes if s + 2 <= target.max_positions] or [1]
+        context = max(1, min(context, target.max_positions - max(sizes) - 1))
+        prefix_ids = torch.arange(context, device=target.device) % target.vocab_size
+        target.prefill(prefix_ids)
+        for rep in range(repeats):
+            for s in sizes:
+                parents = list(range(-1, s - 1))  # a chain: the mask's shape does not change the cost
+                mask, pos = self.kernels.tree_mask(parents, context, target.dtype, target.device)
+                tokens = torch.arange(s, device=target.device) % target.vocab_size
+                t = StageTimes()
+                with self.timer(t, "verify"):
+                    target.forward_tree(tokens, mask, pos)
+                target.commit(context, [])
+                if rep > 0:
+                    self.latency.observe(s, context, t.verify)
+        target.reset()
+
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
         """Yield one Step per round until a stop token, max_new_tokens or the context limit."""
@@ -306,6 +333,8 @@ class Engine:
         limit = self.target.max_positions
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+        if cfg.strategy == "bastion" and not self.latency.slope_identified():
+            self.probe_latency()  # before the clock starts: a one-time calibration, not decode time
         target, drafter, params = self.target, self.drafter, cfg.sampling
         device = target.device
         t_prefill = time.perf_counter()

@@ -218,6 +218,14 @@ class LatencyModel:
                 if pts:  # the ridge pulls toward the analytic prior α = 1, not the last fit (no drift)
                     branch.alpha, branch.beta = _fit_line(pts, 1.0, self.ridge)
 
+    def slope_identified(self, ratio: float = 4.0) -> bool:
+        """Whether the window holds tree sizes at least ``ratio`` apart: only then does the fit know
+        how C(n) grows with n. AR rounds (all n = 1) or a run of equal trees leave the slope to the
+        analytic prior, which on a CPU can be off several-fold (a large square matrix product reaches
+        a higher rate than a forward pass over a few rows): see Engine.probe_latency."""
+        sizes = [s for s, _, _ in self.samples]
+        return bool(sizes) and max(sizes) >= ratio * min(sizes)
+
     def relative_error(self) -> float | None:
         """Median |predicted − measured| / measured over the current window (None if empty)."""
         if not self.samples:

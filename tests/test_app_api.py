@@ -207,11 +207,18 @@ def test_run_handler_shows_bad_settings_in_the_page():
     assert len(out) == 1 and "budget" in out[0]["message"]
 
 
-def test_ar_rounds_leave_the_shared_latency_model_alone():
+def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
+    from bastion.engine import PROBE_SIZES
     rt = tiny_runtime()
     ids = rt.encode("calibration")
-    list(rt.stream(ids, GenerationConfig(strategy="ar", max_new_tokens=6)))
-    assert rt.engine.latency.samples == [] and not rt.engine.latency.calibrated
+    ar = list(rt.stream(ids, GenerationConfig(strategy="ar", max_new_tokens=6)))
+    lat = rt.engine.latency
+    assert len(lat.samples) == len(ar) and not lat.slope_identified()  # n = 1 only: C(n)'s slope unknown
+    from app.engine_glue import calib_snapshot
+    before = calib_snapshot(lat)  # the state the AR run left
     records = list(rt.stream(ids, GenerationConfig(strategy="bastion", max_new_tokens=6)))
-    assert len(rt.engine.latency.samples) == len(records)
+    # the probe ran before the first round, off its clock, and the first round's decisions saw it
+    assert len(lat.samples) == len(ar) + len(PROBE_SIZES) + len(records) and lat.slope_identified()
+    assert records[0]["calib"] != before
+    assert {s for s, _, _ in lat.samples} >= set(PROBE_SIZES)
     assert records[1]["calib"] != records[0]["calib"]  # each record carries the state its round used
