@@ -175,7 +175,8 @@ _TOPK_CAVEAT = (f" _(Runs record the drafter's top {TOPK_RECORDED} per depth and
 
 def whatif_markdown(rec: dict, plan: dict | None, device: str) -> str:
     if plan is None:
-        return "_What-if re-planning needs the drafter's marginals; AR rounds have none._"
+        return ("_What-if re-planning needs the drafter's marginals; this round has none (an AR round, or a "
+                "Bastion round whose draft the gate skipped)._")
     here = f"here it verified **{len(rec['tree']['tokens'])}** nodes (S = {rec['expected_tokens']:.2f})"
     where = "this machine's calibrated model" if device == THIS_MACHINE else f"the {device} roofline (bf16, α = 1)"
     return (f"Round {rec['index']} re-planned under {where}, T = {1e3 * plan['overhead_s']:.3g} ms: Bastion would "
@@ -192,7 +193,7 @@ def round_view(run: dict, index: int, device: str) -> View:
     plan = replan(rec, run["model"], device, run["settings"])
     max_n = max([len(r["tree"]["tokens"]) for r in records] + [len(plan["tree"]["tokens"]) if plan else 1] + [16])
     wf = (figures.gain_cost_figure(plan, f"What-if on {device}: round {index}") if plan
-          else figures.empty_figure("no drafter marginals in this round (AR)"))
+          else figures.empty_figure("no draft in this round (AR, or draft skipped)"))
     return View(text=figures.tokens_html(records, index, _sep(run)), tree=figures.tree_figure(rec),
                 gain=figures.gain_cost_figure(rec),
                 latency=figures.latency_figure(records, index, cost_curves(rec, run["model"], device, max_n)),
