@@ -234,6 +234,15 @@ class Runtime:
             yield self._record(step, calib, clock)
             calib = after  # the state the next round's decisions will use
 
+    def calibration(self, cfg: GenerationConfig) -> dict:
+        """The engine's acceptance calibration for cfg's sampling rule, for the calibration plot:
+        observed (q, acceptance rate, count) per depth group and bin, and the fitted g(q) curves."""
+        with self.lock:
+            cal = self.engine.calibrator(cfg)
+            qs = [i / 40 for i in range(41)]
+            return {"temperature": cfg.temperature, "points": cal.reliability(), "qs": qs,
+                    "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}}
+
     def _record(self, step, calib: dict, clock: float) -> dict:
         rec = step.to_dict()
         specs = {"spec": asdict(self.engine.latency.model), "hardware": asdict(self.engine.latency.hardware)}

@@ -286,6 +286,44 @@ def latency_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, 
     return _base_layout(fig, "Latency model: online-calibrated roofline", 420)
 
 
+# ----------------------------------------------------------------------------- calibration
+_GROUP_COLORS = ("#264653", "#2a9d8f", "#e9c46a", "#f4a261", "#e76f51", "#6d597a")
+
+
+def calibration_figure(cal: dict | None) -> go.Figure:
+    """Reliability of the drafter's confidences under the run's acceptance rule.
+
+    ``cal`` as from Runtime.calibration: points {depths_from, q, rate, count} per depth group and bin,
+    ``qs`` and per group the fitted g(q) the tree builder multiplies (bastion/calibration.py).
+    """
+    if not cal or not cal.get("points"):
+        return empty_figure("no calibration data yet (run a drafting strategy)")
+    groups = [int(g) for g in cal["curves"]]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", name="calibrated drafter (g = q)",
+                             line=dict(color="#adb5bd", dash="dash")))
+    for k, first in enumerate(groups):
+        last = groups[k + 1] - 1 if k + 1 < len(groups) else None
+        label = f"depth {first}" if last == first else f"depth {first}–{last}" if last else f"depth ≥ {first}"
+        color = _GROUP_COLORS[k % len(_GROUP_COLORS)]
+        pts = [p for p in cal["points"] if p["depths_from"] == first]
+        if not pts:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[p["q"] for p in pts], y=[p["rate"] for p in pts], mode="markers", name=f"{label}: observed",
+            legendgroup=label, marker=dict(color=color, size=[6 + 5 * math.log10(1 + p["count"]) for p in pts],
+                                           opacity=0.7),
+            hovertext=[f"{label}<br>mean q {p['q']:.2f} → accepted {p['rate']:.0%} of {p['count']:.0f} tested"
+                       for p in pts], hoverinfo="text"))
+        fig.add_trace(go.Scatter(x=cal["qs"], y=cal["curves"][str(first)], mode="lines", name=f"{label}: fitted g(q)",
+                                 legendgroup=label, line=dict(color=color, width=2)))
+    fig.update_xaxes(title_text="drafter confidence q", range=[0, 1.02])
+    fig.update_yaxes(title_text="P(accepted | parent accepted)", range=[0, 1.02])
+    title = (f"Drafter calibration at T = {cal.get('temperature', 0):g}: below the diagonal the drafter is "
+             "overconfident; trees are ranked by the fitted g(q)")
+    return _base_layout(fig, title, 460)
+
+
 # ----------------------------------------------------------------------------- text
 _SPAN = {"acc": "background:#d8f3dc;border-bottom:2px solid #2a9d8f;",
          "bonus": "background:#ffe8d6;border-bottom:2px solid #e76f51;"}

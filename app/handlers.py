@@ -39,6 +39,7 @@ class View:
     latency: Any = field(default_factory=gr.skip)
     whatif: Any = field(default_factory=gr.skip)
     whatif_md: Any = field(default_factory=gr.skip)
+    calibration: Any = field(default_factory=gr.skip)
     scrubber: Any = field(default_factory=gr.skip)
     state: Any = field(default_factory=gr.skip)
 
@@ -128,6 +129,8 @@ def execute(runtime: Runtime, run: dict, ids: list[int], cfg: GenerationConfig, 
     for rec in runtime.stream(ids, cfg):
         run["steps"].append(rec)
         yield "main", rec
+    if cfg.strategy != "ar":
+        run["calibration"] = runtime.calibration(cfg)
     run["status"] = "finished"
 
 
@@ -205,6 +208,7 @@ def full_view(run: dict, device: str, index: int | None = None) -> View:
     index = len(records) - 1 if index is None else index
     view = round_view(run, index, device)
     view.speed = figures.speed_figure(run["baseline"], run["steps"])
+    view.calibration = figures.calibration_figure(run.get("calibration"))
     view.stats = stats_markdown(run)
     view.scrubber = gr.Slider(minimum=0, maximum=max(1, len(records) - 1), value=index, interactive=len(records) > 1,
                               label=f"Round (0–{len(records) - 1}; redraws from session state, no model run)")
@@ -232,7 +236,7 @@ def _blank(message: str = "") -> View:
     empty = figures.empty_figure
     return View(text=figures.tokens_html([]), stats="", message=error_box(message), tree=empty("draft tree"),
                 gain=empty("gain vs cost"), speed=empty("speed against AR"), latency=empty("latency model"),
-                whatif=empty("what-if hardware"), whatif_md="")
+                whatif=empty("what-if hardware"), whatif_md="", calibration=empty("drafter calibration"))
 
 
 # ----------------------------------------------------------------------------- handlers

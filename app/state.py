@@ -134,10 +134,27 @@ def validate_run(data) -> dict:
                 _check_record(rec)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ValueError(f"{phase} round {i} is malformed: {exc}") from None
+    if data.get("calibration") is not None:
+        try:
+            _check_calibration(data["calibration"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"run file field 'calibration' is malformed: {exc}") from None
     data.setdefault("prompt", "")
     data["status"] = str(data.get("status", "finished"))
     data.setdefault("message", "")
     return data
+
+
+def _check_calibration(cal: dict) -> None:
+    float(cal.get("temperature", 0.0))
+    qs = [float(q) for q in cal["qs"]]
+    for p in cal["points"]:
+        int(p["depths_from"]), float(p["q"]), float(p["rate"]), float(p["count"])
+    for first, curve in cal["curves"].items():
+        int(first)
+        if len(curve) != len(qs):
+            raise ValueError(f"curve of depth {first} has {len(curve)} values for {len(qs)} q's")
+        [float(g) for g in curve]
 
 
 def _check_record(rec: dict) -> None:

@@ -86,6 +86,9 @@ def _layout(handlers: Handlers, prompts: dict) -> dict:
         with gr.Row():
             c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", scale=3)
             c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=2)
+    with gr.Accordion("Drafter calibration: confidence vs acceptance", open=False):
+        c["calibration"] = gr.Plot(empty_figure("drafter calibration"), label="Drafter calibration",
+                                   elem_id="calibration-plot")
     with gr.Row():
         c["export"] = gr.Button("Export run as JSON", elem_id="export-btn")
         c["export_file"] = gr.File(label="Run file", interactive=False, visible=False, elem_id="export-file")

@@ -145,6 +145,12 @@ class AcceptanceCalibrator:
         idx = (logq.detach().float().cpu().exp() * (self.grid - 1)).round().long().clamp(0, self.grid - 1)
         return self._table[rows[:, None], idx].to(logq.device, logq.dtype)
 
+    def curve(self, depth: int, qs: list[float]) -> list[float]:
+        """g(q, depth) at the given q values (for plots)."""
+        rows = torch.zeros(depth, len(qs))
+        rows[depth - 1] = torch.tensor(qs, dtype=torch.float32).clamp(min=1e-9).log()
+        return self.log_g(rows)[depth - 1].exp().tolist()
+
     def to_dict(self) -> dict:
         return {"depth_groups": list(self.depth_groups), "bins": self.bins, "prior": self.prior,
                 "decay": self.decay, "hits": self.hits.tolist(), "tries": self.tries.tolist(),

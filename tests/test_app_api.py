@@ -173,9 +173,11 @@ def test_export_import_roundtrip_and_bad_files(tmp_path):
     handlers = Handlers(rt)
     view = dict(zip(VIEW_FIELDS, handlers.load(export_run(run, tmp_path), THIS_MACHINE)))
     assert view["state"]["steps"] == json.loads(json.dumps(run["steps"])) and "Replaying" in view["message"]
+    assert run["calibration"]["points"] and view["calibration"] is not None  # the calibration plot comes back too
     broken = dict(run, steps=[dict(run["steps"][0], accepted=[0, 999])])
+    bad_cal = dict(run, calibration=dict(run["calibration"], curves={"1": [0.5]}))
     bad = {"not json": "{oops", "foreign": json.dumps({"hello": 1}), "list": "[1, 2]",
-           "broken": json.dumps(broken), "empty": json.dumps(dict(run, steps=[]))}
+           "broken": json.dumps(broken), "empty": json.dumps(dict(run, steps=[])), "calibration": json.dumps(bad_cal)}
     for name, text in bad.items():
         path = tmp_path / f"{name}.json"
         path.write_text(text)

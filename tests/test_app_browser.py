@@ -8,6 +8,7 @@ Run as a script with the real embedded model to refresh the README screenshots:
 import argparse
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,12 @@ def run_prompt(page, prompt: str, timeout_ms: int) -> None:
                            timeout=timeout_ms)
 
 
+def open_calibration(page) -> None:
+    """Unfold the (closed) calibration accordion and wait for its plot."""
+    page.get_by_text("Drafter calibration: confidence vs acceptance").click()
+    page.wait_for_selector("#calibration-plot .js-plotly-plot .scatterlayer .points path", timeout=TIMEOUT_MS)
+
+
 def tree_title(page) -> str:
     return page.locator("#tree-plot .gtitle").first.text_content()
 
@@ -63,7 +70,15 @@ def tiny_app():
     pytest.importorskip("playwright")
     from test_app_api import tiny_runtime
 
-    demo, url = serve(tiny_runtime())
+    runtime = tiny_runtime()
+    forward = runtime.engine.target.forward_tree
+
+    def paced(*args, **kwargs):  # ~15 ms a round, so a 512-token run outlasts the Stop click on any machine
+        time.sleep(0.015)
+        return forward(*args, **kwargs)
+
+    runtime.engine.target.forward_tree = paced
+    demo, url = serve(runtime)
     yield url
     demo.close()
 
@@ -85,6 +100,8 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         last = int(page.locator("#scrubber input[type=number]").input_value())
         assert last >= 1 and tree_title(page).startswith(f"Round {last}:")
         page.screenshot(path=str(tmp_path / "after_run.png"), full_page=True)
+        open_calibration(page)
+        assert "Drafter calibration" in page.locator("#calibration-plot .gtitle").first.text_content()
         scrub_to(page, 0)
         page.locator("#tree-plot").screenshot(path=str(tmp_path / "round0_tree.png"))
         page.click("#export-btn")
@@ -162,7 +179,9 @@ def screenshots(folder: Path, prompt: str) -> None:
         names = ["screenshot_app.png"]
         if runtime.has_drafter:  # an AR round's "tree" is one root and its bonus: not worth a picture
             page.locator("#tree-plot").screenshot(path=str(folder / "screenshot_tree.png"))
-            names.append("screenshot_tree.png")
+            open_calibration(page)
+            page.locator("#calibration-plot").screenshot(path=str(folder / "screenshot_calibration.png"))
+            names += ["screenshot_tree.png", "screenshot_calibration.png"]
         browser.close()
     demo.close()
     for name in names:

@@ -162,6 +162,28 @@ def test_latency_figure_draws_curves_and_marks_round():
     assert fig.layout.yaxis2.type == "log"
 
 
+def test_calibration_figure_plots_observed_rates_and_fitted_curves():
+    from bastion.calibration import AcceptanceCalibrator
+    from bastion.tree import DraftTree
+
+    cal = AcceptanceCalibrator(decay=1.0)
+    for i in range(200):  # depth-1 nodes at q = 0.8 accepted half the time: overconfident
+        tree = DraftTree.root_only(0)
+        tree.add(1, 0, 0.8, 0.8, 0)
+        cal.observe(tree, tree.marginals, [0, 1] if i % 2 else [0])
+    qs = [i / 10 for i in range(11)]
+    data = {"temperature": 1.0, "points": cal.reliability(), "qs": qs,
+            "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}}
+    fig = figures.calibration_figure(data)
+    names = [t.name for t in fig.data]
+    assert names == ["calibrated drafter (g = q)", "depth 1: observed", "depth 1: fitted g(q)"]
+    obs, fit = fig.data[1], fig.data[2]
+    assert math.isclose(obs.x[0], 0.8) and math.isclose(obs.y[0], 0.5) and "of 200 tested" in obs.hovertext[0]
+    assert 0.45 < fit.y[8] < 0.6 and fit.y[8] < 0.8  # g(0.8) pulled from 0.8 toward the observed 0.5
+    assert "T = 1" in fig.layout.title.text
+    assert figures.calibration_figure(None).layout.annotations  # nothing yet: a message, no crash
+
+
 def test_tokens_html_colours_by_origin_and_escapes():
     steps = [make_step(PARENTS, ACCEPTED, index=0), make_step([-1], [0], index=1)]
     out = figures.tokens_html(steps, selected=1)
