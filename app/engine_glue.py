@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.expansion import BudgetRule, best_first_from_topk
+from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
 from bastion.latency import KNOWN_DEVICES, LatencyModel, known_device
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ def whatif_model(record: dict, model_info: dict, device: str) -> tuple[LatencyMo
 def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict | None:
     """Bastion's tree for this round's drafts under ``device``'s latency model, as a step-like dict.
 
-    Uses the recorded top-16 drafter candidates per depth; None when the round has none (AR).
+    Uses the recorded top-16 drafter candidates per depth and the round's prompt-lookup proposal;
+    None when the round has no draft (AR, or a draft the gate skipped).
     """
     if not record.get("draft_logq") or not record.get("calib"):
         return None
@@ -97,6 +98,9 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
                       lookahead=int(settings.get("lookahead", 8)))
     exp = best_first_from_topk(record["tree"]["tokens"][0], record["draft_logq"], record["draft_ids"], rule,
                                lambda n: latency.predict(n, c), overhead)
+    if record.get("lookup_tokens"):  # Bastion's second source, re-sized under the same latency model
+        extend_with_lookup(exp, record["lookup_tokens"], record["lookup_rates"], lambda n: latency.predict(n, c),
+                           overhead, rule.max_nodes, 10**9)
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
             "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,

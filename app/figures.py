@@ -91,9 +91,12 @@ def _hover(step: dict, i: int, status: str) -> str:
         return (f"<b>{html.escape(repr(_text(step, step['bonus'])))}</b> (id {step['bonus']})<br>"
                 "bonus token: the target's own choice after the accepted path")
     choice = step["choices"][i] if i < len(step.get("choices", [])) else None
+    lookup = i > 0 and tree.get("ranks", [0] * (i + 1))[i] < 0
+    source = (f"prompt lookup: copied from earlier context, rate r = {tree['marginals'][i]:.3g}" if lookup
+              else f"drafter q = {tree['marginals'][i]:.3g}")
     lines = [f"<b>{html.escape(repr(_text(step, tree['tokens'][i])))}</b> (id {tree['tokens'][i]})",
              f"depth {tree['depths'][i]} · pop order {i}",
-             f"drafter q = {tree['marginals'][i]:.3g} · path P (calibrated) = {tree['path_probs'][i]:.3g}"]
+             f"{source} · path P (calibrated) = {tree['path_probs'][i]:.3g}"]
     if choice is not None:
         lines.append(f"target chose here: {html.escape(repr(_text(step, choice)))}")
     lines.append(status)
@@ -124,6 +127,7 @@ def tree_figure(step: dict) -> go.Figure:
     small = leaves > 40
     # a label right of a node would sit on the edges to its children: internal nodes get theirs above
     inner = {p for p in parents if p >= 0}
+    ranks = list(tree.get("ranks", [])) + [0] * (len(parents) - len(tree.get("ranks", [])))
     for kind in ("rejected", "accepted", "bonus"):
         idx = [i for i, s in enumerate(status) if s == kind]
         if not idx:
@@ -136,11 +140,15 @@ def tree_figure(step: dict) -> go.Figure:
             marker=dict(size=[7 + 18 * math.sqrt(probs[i]) for i in idx], color=COLORS[kind],
                         opacity=[0.9 if kind != "rejected" else 0.45 + 0.55 * probs[i] for i in idx],
                         line=dict(width=1, color="#343a40"),
-                        symbol="diamond" if kind == "bonus" else "circle"),
+                        # squares: nodes proposed by prompt lookup rather than by the drafter
+                        symbol=["diamond" if kind == "bonus" else "square" if ranks[i] < 0 else "circle"
+                                for i in idx]),
             hovertext=[_hover(step, i, kind) for i in idx], hoverinfo="text"))
     n_acc = len(step["accepted"]) - 1
+    n_look = sum(1 for r in ranks[1:len(tree["tokens"])] if r < 0)
     title = (f"Round {step['index']}: tree of {len(tree['tokens'])} nodes, {n_acc} accepted"
-             f"{' + bonus' if status[-1] == 'bonus' else ''} ({step['strategy']})")
+             f"{' + bonus' if status[-1] == 'bonus' else ''} ({step['strategy']})"
+             + (f"<br><sup>squares: {n_look} nodes from prompt lookup</sup>" if n_look else ""))
     fig.update_xaxes(title="depth", dtick=1, range=[-0.4, max(depth) + 1.2], zeroline=False)
     fig.update_yaxes(visible=False, range=[-leaves + 0.3, 0.7])
     fig = _base_layout(fig, title, int(min(1100, max(360, 60 + 18 * leaves))))
@@ -159,8 +167,12 @@ def gain_cost_points(step: dict) -> dict:
     rows = []
     if step.get("root_cost_s") is not None:
         rows.append((1, 1.0, float(step["root_cost_s"]), True))
+    lookup = []
     if step.get("trace"):
-        rows += [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]]
+        rows += [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
+                 if not d["reason"].startswith("lookup")]
+        lookup = [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
+                  if d["reason"].startswith("lookup")]
     elif step.get("cost_curve"):
         total = 0.0
         rows = []
@@ -169,7 +181,9 @@ def gain_cost_points(step: dict) -> dict:
             rows.append((k + 1, total, c, True))
     n, s, c, added = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
     thr = [si / (overhead + ci) if overhead + ci > 0 else 0.0 for si, ci in zip(s, c)]
-    return {"n": n, "S": s, "C": c, "throughput": thr, "added": added, "overhead": overhead}
+    return {"n": n, "S": s, "C": c, "throughput": thr, "added": added, "overhead": overhead,
+            "lookup": {"n": [r[0] for r in lookup], "S": [r[1] for r in lookup], "C": [r[2] for r in lookup],
+                       "added": [r[3] for r in lookup]}}
 
 
 def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
@@ -188,6 +202,14 @@ def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
                   row=1, col=1, secondary_y=True)
     fig.add_trace(go.Scatter(x=pts["n"], y=[1e3 * c for c in pts["C"]], name="predicted C(n)", mode="lines+markers",
                              marker=dict(symbol=sym, size=5), line=dict(color=COLORS["predicted"])), row=2, col=1)
+    if pts["lookup"]["n"]:  # the prompt-lookup branch, sized after the drafter's tree by the same rule
+        lk = pts["lookup"]
+        lsym = ["square" if a else "square-open" for a in lk["added"]]
+        fig.add_trace(go.Scatter(x=lk["n"], y=lk["S"], name="S_n with lookup nodes", mode="lines+markers",
+                                 marker=dict(symbol=lsym, size=7), line=dict(color=COLORS["bonus"])), row=1, col=1)
+        fig.add_trace(go.Scatter(x=lk["n"], y=[1e3 * c for c in lk["C"]], name="C(n) with lookup nodes",
+                                 mode="lines+markers", marker=dict(symbol=lsym, size=6), line=dict(color=COLORS["bonus"]),
+                                 showlegend=False), row=2, col=1)
     if step.get("tokens"):
         fig.add_trace(go.Scatter(x=[chosen], y=[len(step["tokens"])], name="committed (actual)", mode="markers",
                                  marker=dict(symbol="star", size=15, color=COLORS["measured"])), row=1, col=1)

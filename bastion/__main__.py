@@ -28,6 +28,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--max-nodes", type=int, default=128, help="cap on draft nodes for bastion")
     g.add_argument("--no-skip-draft", action="store_true",
                    help="bastion: draft every round, even when a plain step is predicted faster")
+    g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
+    g.add_argument("--no-calibration", action="store_true",
+                   help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -48,7 +51,8 @@ def run_generate(a) -> int:
 
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
-                           skip_draft=not a.no_skip_draft)
+                           skip_draft=not a.no_skip_draft, lookup=not a.no_lookup,
+                           calibrate=not a.no_calibration)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -62,11 +62,12 @@ class Strategy:
     budget: int = 32
     skip_draft: bool = True  # bastion's draft gate; 'bastion:always' drafts every round (the paper's loop)
     calibrate: bool = True   # calibrated surrogate; 'bastion:raw' ranks by the drafter's own q
+    lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' is the drafter alone
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
-                                calibrate=self.calibrate)
+                                calibrate=self.calibrate, lookup=self.lookup)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -90,12 +91,14 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, "bastion", skip_draft=False)
     if name == "bastion:raw":
         return Strategy(name, "bastion", calibrate=False)
+    if name == "bastion:nolookup":
+        return Strategy(name, "bastion", lookup=False)
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, {', '.join(HF_BASELINES)}")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, {', '.join(HF_BASELINES)}")
 
 
 @dataclass(frozen=True)
@@ -347,7 +350,7 @@ def add_parser(sub) -> None:
                                    "results.md, rounds.csv and PNG plots.")
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
-                   "bastion:raw (uncalibrated surrogate)")
+                   "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch)")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -79,7 +79,8 @@ class AcceptanceCalibrator:
         return sum(1 for g in self.depth_groups if depth >= g) - 1
 
     def observe(self, tree: DraftTree, raw_marginals: list[float], accepted: list[int]) -> int:
-        """Count every *tested* node of one verified tree: a node whose parent was accepted.
+        """Count every *tested* drafter node of one verified tree: a node whose parent was accepted
+        (prompt-lookup nodes, rank −1, have their own statistics in lookup.py).
 
         ``raw_marginals[i]`` is node i's drafter marginal q (uncalibrated); ``accepted`` the walked
         node indices, root first. Returns the number of nodes counted.
@@ -90,7 +91,7 @@ class AcceptanceCalibrator:
         self.qsum.mul_(self.decay)
         n = 0
         for i in range(1, len(tree)):
-            if tree.parents[i] not in on_path:
+            if tree.parents[i] not in on_path or tree.ranks[i] < 0:  # untested, or not the drafter's (lookup)
                 continue
             q = min(max(raw_marginals[i], 0.0), 1.0)
             g, b = self.group(tree.depths[i]), min(int(q * self.bins), self.bins - 1)

@@ -17,9 +17,11 @@ import torch
 
 from .calibration import AcceptanceCalibrator
 from .drafter import DFlashDrafter
-from .expansion import BudgetRule, Decision, Expansion, best_first_from_topk, chain_from_topk, topk_tensors
+from .expansion import (BudgetRule, Decision, Expansion, best_first_from_topk, chain_from_topk, extend_with_lookup,
+                        topk_tensors)
 from .kernels import get_kernels
 from .latency import LatencyModel, ModelSpec, hardware_for
+from .lookup import LookupStats, NgramIndex
 from .target import Target
 from .tree import DraftTree
 from .verify import SamplingParams, accept
@@ -46,6 +48,9 @@ class GenerationConfig:
     lookahead: int = 8
     skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
     calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
+    lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
+    lookup_ngram: int = 3    # longest context suffix matched
+    lookup_tokens: int = 10  # most tokens proposed
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -56,6 +61,8 @@ class GenerationConfig:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if self.lookup_ngram < 1 or self.lookup_tokens < 1:
+            raise ValueError(f"lookup_ngram and lookup_tokens must be >= 1, got {self.lookup_ngram}, {self.lookup_tokens}")
         self.sampling.validate()
 
     @property
@@ -106,6 +113,8 @@ class Step:
     # calibrator has data, log q before (and for chain, which takes the argmax whatever the values)
     draft_logq: list[list[float]] = field(default_factory=list)
     draft_ids: list[list[int]] = field(default_factory=list)     # per depth, their token ids
+    lookup_tokens: list[int] = field(default_factory=list)  # this round's prompt-lookup proposal (may be unused)
+    lookup_rates: list[float] = field(default_factory=list)  # its estimated per-token acceptance rates r_d
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
@@ -119,7 +128,8 @@ class Step:
                  times={k: round(v, 6) for k, v in asdict(self.times).items()},
                  elapsed_s=round(self.elapsed_s, 6), prefill_s=round(self.prefill_s, 6),
                  draft_logq=[[round(v, 4) for v in row] for row in self.draft_logq],
-                 draft_ids=[list(row) for row in self.draft_ids])
+                 draft_ids=[list(row) for row in self.draft_ids], lookup_tokens=list(self.lookup_tokens),
+                 lookup_rates=[round(r, 5) for r in self.lookup_rates])
         return d
 
     @classmethod
@@ -135,7 +145,10 @@ class Step:
             context_len=int(d["context_len"]), generated=int(d["generated"]), elapsed_s=float(d["elapsed_s"]),
             prefill_s=float(d.get("prefill_s", 0.0)),
             draft_logq=[[float(v) for v in row] for row in d.get("draft_logq", [])],
-            draft_ids=[[int(v) for v in row] for row in d.get("draft_ids", [])], finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
+            draft_ids=[[int(v) for v in row] for row in d.get("draft_ids", [])],
+            lookup_tokens=[int(v) for v in d.get("lookup_tokens", [])],
+            lookup_rates=[float(v) for v in d.get("lookup_rates", [])],
+            finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
 
 
 @dataclass
@@ -246,10 +259,17 @@ class Engine:
         self.timer = Timer(target.device)
         # one calibrator per acceptance rule: T = 0 and each (T, top-k, top-p) accept differently
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
+        self.lookup_stats: dict[tuple, LookupStats] = {}
+
+    @staticmethod
+    def _rule_key(cfg: GenerationConfig) -> tuple:
+        return (cfg.temperature, cfg.top_k or 0, cfg.top_p or 1.0) if cfg.temperature > 0 else (0.0, 0, 1.0)
 
     def calibrator(self, cfg: GenerationConfig) -> AcceptanceCalibrator:
-        key = (cfg.temperature, cfg.top_k or 0, cfg.top_p or 1.0) if cfg.temperature > 0 else (0.0, 0, 1.0)
-        return self.calibrators.setdefault(key, AcceptanceCalibrator())
+        return self.calibrators.setdefault(self._rule_key(cfg), AcceptanceCalibrator())
+
+    def lookup_rates(self, cfg: GenerationConfig) -> LookupStats:
+        return self.lookup_stats.setdefault(self._rule_key(cfg), LookupStats())
 
     # ----------------------------------------------------------------- helpers
     def _decode(self, ids: list[int]) -> list[str]:
@@ -345,6 +365,9 @@ class Engine:
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
         vocab, in_vocab = self._request_vocab(prompt_ids)
         calib = self.calibrator(cfg)
+        use_lookup = cfg.strategy == "bastion" and cfg.lookup
+        index_ng = NgramIndex(prompt_ids, cfg.lookup_ngram) if use_lookup else None
+        lstats = self.lookup_rates(cfg) if use_lookup else None
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
@@ -372,6 +395,15 @@ class Engine:
                                1.0 / max(self.latency.overhead_s + c1, 1e-12))
                 elif gate is not None:
                     exp.stop_reason = gate.reason()
+                lookup = index_ng.propose(cfg.lookup_tokens) if use_lookup else None
+                rates = lstats.rates(lookup) if lookup is not None else []
+                if lookup is not None:  # a second source, merged after the gate judged the drafter alone
+                    chain_nodes = extend_with_lookup(exp, lookup.tokens, rates,
+                                                     lambda n: self.latency.predict(n, prefix),
+                                                     self.latency.round_overhead() if drafting
+                                                     else self.latency.overhead_s, cfg.max_nodes,
+                                                     limit - committed - 1)
+                    tree = exp.tree
                 mask, pos = self.kernels.tree_mask(tree.parents, prefix, target.dtype, device)
                 tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)
             with self.timer(times, "verify"):
@@ -383,6 +415,10 @@ class Engine:
                     drafter.extend_cache(dcache, out.features[acc.accepted])
                 if cfg.calibrate and topk is not None:  # tree.marginals hold the drafter's raw q
                     calib.observe(tree, tree.marginals, acc.accepted)
+                if lookup is not None:
+                    on_path = set(acc.accepted)
+                    lstats.observe(lookup.ngram, chain_nodes, [tree.parents[v] in on_path for v in chain_nodes],
+                                   on_path)
             new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
             finish = ""
             for j, tok in enumerate(new):
@@ -394,6 +430,8 @@ class Engine:
             generated += len(new)
             if vocab is not None and not in_vocab.issuperset(new):  # a word the draft vocabulary lacked
                 vocab = self._widen_vocab(vocab, in_vocab, new)
+            if index_ng is not None:
+                index_ng.extend(new)
             if not finish and committed + len(new) + 1 >= limit:
                 finish = "context limit"
             predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement
@@ -404,7 +442,8 @@ class Engine:
                         exp.round_overhead, times, committed, generated, time.perf_counter() - t_start - paused,
                         prefill_s, bool(finish), finish,
                         [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
-                        [row[:TOPK_RECORDED] for row in topk[1]] if topk else [])
+                        [row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
+                        lookup.tokens if lookup is not None else [], rates)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time

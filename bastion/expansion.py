@@ -205,3 +205,59 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
         if dec.added:
             dec.added, dec.reason = False, "dropped: beyond the best prefix"
     return exp
+
+
+def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], cost: Callable[[int], float],
+                       round_overhead: float, max_nodes: int, max_depth: int) -> list[int]:
+    """Merge a prompt-lookup proposal into ``exp.tree`` and keep the prefix the throughput rule pays for.
+
+    The proposal is walked down the tree as a trie path: while a child carries the next proposed
+    token, it is reused. The rest hangs below as a chain of new nodes (rank −1: not the drafter's)
+    with path confidence P = P_attach · Π r_d, where r_d = ``rates[d−1]`` estimates the acceptance of
+    proposed token d given token d−1, and P_attach = max(the attach node's P, Π of the rates of the
+    reused part). With S = the tree's S_n and n its size, the j new nodes maximising
+    (S + Σ_{k≤j} P_k) / (T + C(n + j)) are kept, if that beats the tree without them.
+
+    Returns the node index of each proposed token now in the tree (reused or new), in order.
+    """
+    tree = exp.tree
+    kids = tree.children()
+    node, chain = 0, []
+    while len(chain) < len(tokens):
+        nxt = next((c for c in kids[node] if tree.tokens[c] == tokens[len(chain)]), None)
+        if nxt is None:
+            break
+        node = nxt
+        chain.append(node)
+    i = len(chain)
+    reused = 1.0
+    for r in rates[:i]:
+        reused *= r
+    p = max(tree.path_probs[node], reused)
+    n0, s_total = len(tree), tree.expected_tokens
+    best_thr, best_j = s_total / max(round_overhead + cost(n0), 1e-12), 0
+    probs, trace = [], []
+    for j, (tok, r) in enumerate(zip(tokens[i:], rates[i:]), start=1):
+        if n0 - 1 + j > max_nodes or tree.depths[node] + j > max_depth:
+            break
+        p *= r
+        s_total += p
+        probs.append(p)
+        c = cost(n0 + j)
+        thr = s_total / max(round_overhead + c, 1e-12)
+        trace.append((tok, p, s_total, c, thr))
+        if thr > best_thr:
+            best_thr, best_j = thr, j
+    parent = node
+    for j, (tok, p, s, c, thr) in enumerate(trace, start=1):
+        keep = j <= best_j
+        idx = n0 + j - 1
+        would_be_parent = parent if keep else (node if j == 1 else idx - 1)
+        exp.trace.append(Decision(idx, tree.depths[node] + j, tok, would_be_parent, p, s, c, thr, keep,
+                                  "lookup: kept (raises predicted throughput)" if keep else "lookup: no gain"))
+        if keep:
+            parent = tree.add(tok, parent, rates[i + j - 1], p, -1)
+            chain.append(parent)
+    if trace:
+        exp.stop_reason += f" · lookup: {best_j} of {len(trace)} proposed nodes kept"
+    return chain

@@ -88,7 +88,7 @@ def test_tree_figure_highlights_accepted_path_and_bonus():
     assert sorted(zip(acc.x, acc.y)) == sorted((depth[i], -rows[i]) for i in ACCEPTED)
     assert len(_trace(fig, "rejected").x) == len(PARENTS) - len(ACCEPTED)
     bonus = _trace(fig, "bonus")
-    assert bonus.marker.symbol == "diamond" and bonus.x == (depth[ACCEPTED[-1]] + 1,)
+    assert bonus.marker.symbol == ("diamond",) and bonus.x == (depth[ACCEPTED[-1]] + 1,)
     bold = max(fig.data, key=lambda t: t.line.width or 0 if t.mode == "lines" else 0)
     assert bold.line.width == 4 and len([x for x in bold.x if x is not None]) == 2 * (len(ACCEPTED) - 1)
     assert "tok16" in acc.text  # node text is the token
@@ -160,6 +160,28 @@ def test_latency_figure_draws_curves_and_marks_round():
     assert {"predicted", "measured", "here", "H200", "measured (all rounds)"} <= set(names)
     assert fig.layout.shapes[0].x0 == 2
     assert fig.layout.yaxis2.type == "log"
+
+
+def test_lookup_nodes_are_squares_with_their_own_hover_and_gain_series():
+    step = make_step(PARENTS, ACCEPTED)
+    n = len(PARENTS)
+    last = n - 1
+    step["tree"]["ranks"][last] = -1  # the last node came from prompt lookup
+    step["trace"] = [d for d in step["trace"] if d["node"] != last] + [
+        {"node": last, "depth": 1, "token": 10 + last, "parent": PARENTS[last], "p": 0.4, "expected": 3.0,
+         "cost": 0.02, "throughput": 50.0, "added": True, "reason": "lookup: kept (raises predicted throughput)"},
+        {"node": last + 1, "depth": 2, "token": 5, "parent": last, "p": 0.1, "expected": 3.1,
+         "cost": 0.021, "throughput": 49.0, "added": False, "reason": "lookup: no gain"}]
+    fig = figures.tree_figure(step)
+    symbols = [sym for t in fig.data if t.mode == "markers+text" for sym in t.marker.symbol]
+    assert symbols.count("square") == 1 and "1 nodes from prompt lookup" in fig.layout.title.text
+    hovers = [h for t in fig.data if t.mode == "markers+text" for h in t.hovertext]
+    assert sum("prompt lookup" in h for h in hovers) == 1
+    pts = figures.gain_cost_points(step)
+    assert pts["lookup"]["n"] == [last + 1, last + 2] and pts["lookup"]["added"] == [True, False]
+    assert last + 1 not in pts["n"]  # the drafter's curve keeps its own points only
+    names = [t.name for t in figures.gain_cost_figure(step).data]
+    assert "S_n with lookup nodes" in names
 
 
 def test_calibration_figure_plots_observed_rates_and_fitted_curves():

@@ -35,14 +35,14 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(SUITE))
     out = tmp_path / "out"
-    a = bench_args("--prompts", str(prompts), "--strategies", "ar,chain,fixed:4,fixed:16,bastion,bastion:always,bastion:raw", "--hf-baselines",
+    a = bench_args("--prompts", str(prompts), "--strategies", "ar,chain,fixed:4,fixed:16,bastion,bastion:always,bastion:raw,bastion:nolookup", "--hf-baselines",
                    "--max-new-tokens", "8", "--repeats", "2", "--limit-per-category", "2", "--out", str(out))
     assert bench.run_bench(a, engine=engine, encode=encode) == 0
 
     res = json.loads((out / "results.json").read_text())
     assert {"machine", "command", "strategies", "categories", "prompts"} <= set(res)
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
-    names = ["ar", "chain", "fixed:4", "fixed:16", "bastion", "bastion:always", "bastion:raw", "hf_generate", "hf_prompt_lookup"]
+    names = ["ar", "chain", "fixed:4", "fixed:16", "bastion", "bastion:always", "bastion:raw", "bastion:nolookup", "hf_generate", "hf_prompt_lookup"]
     assert list(res["strategies"]) == names
     assert list(res["categories"]) == ["chat", "code", "math"]
     assert [(p["category"], p["index"]) for p in res["prompts"]] == [("chat", 0), ("chat", 1), ("code", 0),

@@ -130,7 +130,9 @@ def test_draft_gate_skips_a_useless_drafter_with_backoff_and_stays_lossless():
         expect += [True] + [False] * k
     n = len(drafted)
     assert drafted == expect[:n], drafted
-    assert all(s.stop_reason.startswith("draft skipped") and len(s.tree) == 1 for s in steps if not s.draft_ids)
+    # a skipped round has no drafter nodes (a prompt-lookup branch, rank −1, may still be there)
+    assert all(s.stop_reason.startswith("draft skipped") and all(r == -1 for r in s.tree.ranks[1:])
+               for s in steps if not s.draft_ids)
     # switched off, every round drafts
     steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=12, skip_draft=False)))
     assert all(s.draft_ids for s in steps)

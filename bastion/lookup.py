@@ -1,0 +1,109 @@
+"""Prompt lookup as a second draft source for Bastion's tree.
+
+Replies copy from their context: names and numbers from the prompt, identifiers in code, whole
+phrases when a small model repeats itself. Prompt-lookup decoding (Saxena 2023; transformers'
+``prompt_lookup_num_tokens``) drafts such copies for free: find the latest earlier occurrence of the
+context's last n tokens and propose what followed it. A block-diffusion drafter predicts some of
+these too, but not all, and the two err in different places, so Bastion puts both in one tree:
+
+- :class:`NgramIndex` keeps, for n = 1..N, the latest position where each n-gram of the committed
+  tokens ended, updated as tokens are committed (O(N) per token; no scan of the context per round).
+- :class:`LookupStats` estimates r(n, d) = P(the d-th proposed token is accepted | the (d−1)-th was),
+  for a match of length n, online from verified trees (Beta prior, geometric forgetting).
+- ``expansion.extend_with_lookup`` merges the proposal into the drafter's tree as a trie path and
+  keeps the prefix the throughput rule pays for, with path confidence P = Π r.
+
+Verification is unchanged, so the output stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Proposal:
+    """A lookup draft: ``tokens`` continue the context after its last token; ``ngram`` is the
+    length of the matched suffix (longer matches are more reliable)."""
+
+    tokens: list[int]
+    ngram: int
+
+
+class NgramIndex:
+    """Latest end position of every n-gram (n ≤ max_ngram) of a growing token sequence.
+
+    Only n-grams that end *before* the last token are indexed, so a lookup of the current suffix
+    finds an earlier occurrence, never itself.
+    """
+
+    def __init__(self, tokens: list[int], max_ngram: int = 3):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            end = len(self.tokens) - 1  # the old last token: its n-grams become "earlier" now
+            for n in range(1, self.max_ngram + 1):
+                if end - n + 1 < 0:
+                    break
+                self.last[tuple(self.tokens[end - n + 1:end + 1])] = end
+            self.tokens.append(int(t))
+
+    def propose(self, max_tokens: int) -> Proposal | None:
+        """What followed the latest earlier occurrence of the longest matching suffix (at most
+        ``max_tokens`` tokens, never past the current end)."""
+        L = len(self.tokens)
+        if max_tokens < 1:
+            return None
+        for n in range(min(self.max_ngram, L), 0, -1):
+            end = self.last.get(tuple(self.tokens[L - n:]))
+            if end is not None:
+                out = self.tokens[end + 1:min(end + 1 + max_tokens, L)]
+                if out:
+                    return Proposal(out, n)
+        return None
+
+
+@dataclass
+class LookupStats:
+    """r(n, d) = P(proposed token d accepted | token d−1 accepted) for a match of length n.
+
+    Counts decay by ``decay`` per observed round; ``prior_rate`` and ``prior_strength`` form a Beta
+    prior, so an unseen (n, d) starts at a cautious rate. Depths beyond ``max_depth`` share a cell.
+    """
+
+    prior_rate: float = 0.3
+    prior_strength: float = 2.0
+    decay: float = 0.995
+    max_depth: int = 8
+    hits: dict[tuple[int, int], float] = field(default_factory=dict)
+    tries: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def _key(self, ngram: int, depth: int) -> tuple[int, int]:
+        return ngram, min(depth, self.max_depth)
+
+    def rate(self, ngram: int, depth: int) -> float:
+        k = self._key(ngram, depth)
+        return ((self.hits.get(k, 0.0) + self.prior_rate * self.prior_strength)
+                / (self.tries.get(k, 0.0) + self.prior_strength))
+
+    def rates(self, proposal: Proposal) -> list[float]:
+        return [self.rate(proposal.ngram, d) for d in range(1, len(proposal.tokens) + 1)]
+
+    def observe(self, ngram: int, chain: list[int], parents_accepted: list[bool], accepted: set[int]) -> None:
+        """``chain[d−1]`` is the tree node carrying proposed token d (merged or new); a token counts
+        only when its parent was accepted (otherwise it was never tested)."""
+        for k in self.tries:
+            self.tries[k] *= self.decay
+            self.hits[k] *= self.decay
+        for d, (node, tested) in enumerate(zip(chain, parents_accepted), start=1):
+            if not tested:
+                break
+            k = self._key(ngram, d)
+            self.tries[k] = self.tries.get(k, 0.0) + 1.0
+            self.hits[k] = self.hits.get(k, 0.0) + (1.0 if node in accepted else 0.0)

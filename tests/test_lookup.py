@@ -1,0 +1,126 @@
+"""Prompt lookup: the n-gram index, merging a proposal into a tree, and the engine with both sources."""
+
+import random
+
+import pytest
+import torch
+
+from bastion.engine import Engine, GenerationConfig
+from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
+from bastion.lookup import LookupStats, NgramIndex
+from tiny import tiny_drafter, tiny_target
+
+
+def brute_force(tokens: list[int], max_ngram: int, m: int):
+    """Latest earlier occurrence of the longest suffix n-gram; what followed it, never past the end."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L), 0, -1):
+        pat = tokens[L - n:]
+        for s in range(L - n - 1, -1, -1):
+            if tokens[s:s + n] == pat:
+                out = tokens[s + n:min(s + n + m, L)]
+                if out:
+                    return out, n
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_index_matches_brute_force_as_tokens_arrive(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 12])  # small vocabularies: many repeats
+    tokens = [rng.randrange(vocab) for _ in range(5)]
+    index = NgramIndex(tokens, max_ngram=3)
+    for _ in range(60):
+        new = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        tokens += new
+        index.extend(new)
+        got = index.propose(6)
+        ref = brute_force(tokens, 3, 6)
+        assert (None if got is None else (got.tokens, got.ngram)) == ref
+
+
+def test_index_never_proposes_from_the_future_and_rejects_bad_sizes():
+    index = NgramIndex([1, 2, 3, 1, 2], max_ngram=2)
+    p = index.propose(10)
+    assert p.tokens == [3, 1, 2] and p.ngram == 2  # after the earlier "1 2": up to the current end
+    assert NgramIndex([7, 8, 9]).propose(4) is None
+    assert NgramIndex([5]).propose(3) is None
+    with pytest.raises(ValueError):
+        NgramIndex([1], max_ngram=0)
+
+
+def _tree_with_one_branch():
+    # root 0 → 11 (q .6) → 12 (q .5); root → 21 (q .3)
+    vals = [[-0.51, -1.2], [-0.69, -3.0]]
+    ids = [[11, 21], [12, 22]]
+    return best_first_from_topk(0, vals, ids, BudgetRule("fixed", 3, 3))
+
+
+def test_merge_reuses_matching_nodes_and_hangs_the_rest_below():
+    exp = _tree_with_one_branch()
+    n0 = len(exp.tree)
+    chain = extend_with_lookup(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100)
+    tree = exp.tree
+    tree.validate()
+    assert chain[:2] == [tree.tokens.index(11), tree.tokens.index(12)]  # reused, not duplicated
+    assert [tree.tokens[v] for v in chain] == [11, 12, 13, 14] and len(tree) == n0 + 2
+    assert tree.parents[chain[2]] == chain[1] and tree.ranks[chain[2]] == tree.ranks[chain[3]] == -1
+    # P of the new nodes starts from max(P of the attach node, product of the reused rates)
+    assert tree.path_probs[chain[2]] == pytest.approx(max(0.6 * 0.5, 0.81) * 0.8)
+    assert "lookup: 2 of 2" in exp.stop_reason
+
+
+def test_merge_keeps_only_what_the_throughput_rule_pays_for():
+    # free verification: everything is kept; expensive verification: nothing
+    exp = _tree_with_one_branch()
+    assert len(extend_with_lookup(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: 0.0, 1.0, 100, 100)) == 3
+    exp = _tree_with_one_branch()
+    n0 = len(exp.tree)
+    assert extend_with_lookup(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: float(n), 0.0, 100, 100) == []
+    assert len(exp.tree) == n0 and [d.added for d in exp.trace[-3:]] == [False] * 3
+    # a cost step after one node: only the first is worth it
+    exp = _tree_with_one_branch()
+    cost = lambda n: 1.0 if n <= n0 + 1 else 5.0  # noqa: E731
+    assert len(extend_with_lookup(exp, [5, 6, 7], [0.9, 0.9, 0.9], cost, 0.0, 100, 100)) == 1
+    # caps: node budget and depth
+    exp = _tree_with_one_branch()
+    assert len(extend_with_lookup(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, n0 - 1 + 2, 100)) == 2
+    exp = _tree_with_one_branch()
+    assert len(extend_with_lookup(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, 100, 1)) == 1
+
+
+def test_stats_learn_per_depth_and_skip_untested_tokens():
+    st = LookupStats(prior_rate=0.3, prior_strength=2.0, decay=1.0)
+    assert st.rate(2, 1) == pytest.approx(0.3)
+    for _ in range(50):  # token 1 always accepted, token 2 never, token 3 never tested
+        st.observe(2, [1, 2, 3], [True, True, False], accepted={0, 1})
+    assert st.rate(2, 1) > 0.95 and st.rate(2, 2) < 0.05 and st.rate(2, 3) == pytest.approx(0.3)
+    assert st.rate(3, 1) == pytest.approx(0.3)  # another n-gram length has its own cells
+
+
+def _looping_prompt(target, n=40):
+    """A prompt whose greedy continuation repeats itself (tiny random models fall into cycles)."""
+    out = target.model.generate(torch.tensor([[3, 5, 7]]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_lookup_is_lossless_and_accepts_copies(temperature):
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = _looping_prompt(target)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    cfg = dict(max_new_tokens=60, temperature=temperature, seed=5)
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", **cfg)))
+    assert [t for s in steps for t in s.tokens] == ref
+    off = list(engine.generate(prompt, GenerationConfig(strategy="bastion", lookup=False, **cfg)))
+    assert [t for s in off for t in s.tokens] == ref
+    assert all(-1 not in s.tree.ranks for s in off) and not any(s.lookup_tokens for s in off)
+    looked = [s for s in steps if -1 in s.tree.ranks]
+    assert looked and all(s.lookup_tokens for s in looked)
+    if temperature == 0.0:  # a random drafter accepts ~nothing; copies from the loop do
+        accepted_lookup = sum(1 for s in steps for v in s.accepted[1:] if s.tree.ranks[v] == -1)
+        assert accepted_lookup >= 10
+        assert len(ref) / len(steps) > len(ref) / len(off)  # τ with lookup > τ without
+    with pytest.raises(ValueError, match="lookup"):
+        GenerationConfig(lookup_tokens=0).validate()
