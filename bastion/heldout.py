@@ -1,0 +1,184 @@
+"""Teacher-forced evaluation of a drafter on the held-out eval prompts (no timing, no tree search).
+
+``python -m bastion.heldout [--drafter DIR]`` generates (once, cached) the target's greedy
+continuation of every prompt of assets/eval_prompts.json, then, at every position a of every
+reply, drafts the block [token_a, MASK × (B−1)] from the target's features before a — exactly the
+context a decoding round has — and compares with the reply:
+
+- per-depth top-1 accuracy and the mean accepted chain length (the training log's numbers, here on
+  prompts the drafter never saw, so the gap to the training log measures over-fitting);
+- τ of three simulated decoders that start each round where the previous one ended: the drafter's
+  chain (DFlash), prompt lookup alone (lookup.NgramIndex), and a tree holding both (a round accepts
+  the longer of the two matches). Measured τ of ``chain`` in the benchmark should match the first.
+
+All of it is cheap next to a benchmark (one drafter forward per 16 positions) and deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .drafter import DFlashDrafter, load_drafter
+from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_drafter, load_target
+from .lookup import NgramIndex
+from .target import Target
+
+
+def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_new_tokens: int = 128,
+                 prompts_file: Path = EVAL_PROMPTS) -> list[dict]:
+    """[{category, ids, prompt_len, feats}] for every eval prompt; read from ``cache`` when it matches."""
+    data = json.loads(Path(prompts_file).read_text())
+    items = [(c, p) for c, ps in data.items() if isinstance(ps, list) for p in ps]
+    key = {"prompts": items, "layer_ids": list(layer_ids), "max_new_tokens": max_new_tokens}
+    if cache is not None and cache.is_file():
+        stored = torch.load(cache, weights_only=False)
+        if stored.get("key") == key:
+            return stored["records"]
+    target.set_feature_layers(list(layer_ids))
+    records, t0 = [], time.time()
+    for i, (cat, prompt) in enumerate(items):
+        enc = encode_prompt(target.tokenizer, prompt)
+        out = target.model.generate(input_ids=torch.tensor([enc]), attention_mask=torch.ones(1, len(enc), dtype=torch.long),
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=target.tokenizer.pad_token_id or 0)[0].tolist()
+        feats = target.batch_features(torch.tensor([out]), torch.ones(1, len(out), dtype=torch.long))
+        records.append({"category": cat, "ids": out, "prompt_len": len(enc), "feats": feats[0].to(torch.float16)})
+        print(f"\r  continuations {i + 1}/{len(items)} ({time.time() - t0:.0f} s)", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"key": key, "records": records}, tmp)
+        tmp.replace(cache)
+    return records
+
+
+@torch.inference_mode()
+def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: int = 16
+                  ) -> tuple[list[int], list[list[bool]]]:
+    """For every anchor a in the reply: accepted chain length and per-depth hits of the drafter's argmax."""
+    from .train import block_mask  # the training-time packing of several blocks into one row
+
+    ids, P, B = rec["ids"], rec["prompt_len"], drafter.block_size
+    n = len(ids)
+    dt = drafter.fc.weight.dtype
+    feats = rec["feats"].to(dt)[None]
+    ctx_kv = drafter.context_kv(feats, torch.arange(n)[None])
+    valid = torch.ones(1, n, dtype=torch.bool)
+    lengths, hits = [], []
+    anchors = list(range(P - 1, n - 1))
+    for c0 in range(0, len(anchors), per_call):
+        A = anchors[c0:c0 + per_call]
+        block = torch.full((1, len(A) * B), drafter.cfg.mask_token_id, dtype=torch.long)
+        pos = torch.zeros(1, len(A) * B, dtype=torch.long)
+        for j, a in enumerate(A):
+            block[0, j * B] = ids[a]
+            pos[0, j * B:(j + 1) * B] = torch.arange(a, a + B)
+        h = drafter.blocks(target.embed(block).to(dt), pos, ctx_kv, block_mask(valid, torch.tensor([A]), B, dt))
+        h = h.view(len(A), B, -1)[:, 1:].reshape(len(A) * (B - 1), -1)
+        vocab = drafter.draft_vocab
+        h = h.to(target.dtype)
+        logits = target.lm_head(h, vocab) if vocab is not None else target.lm_head(h)
+        pred = logits.argmax(-1)
+        if vocab is not None:
+            pred = vocab[pred]
+        pred = pred.view(len(A), B - 1).tolist()
+        for j, a in enumerate(A):
+            truth = ids[a + 1:a + B]
+            row = [p == t for p, t in zip(pred[j], truth)]
+            k = next((i for i, ok in enumerate(row) if not ok), len(row))
+            lengths.append(k)
+            hits.append(row)
+    return lengths, hits
+
+
+def lookup_lengths(rec: dict, max_ngram: int = 3, max_tokens: int = 10) -> list[int]:
+    """For every anchor a: how many proposed tokens of prompt lookup over ids[:a+1] match the reply."""
+    ids, P = rec["ids"], rec["prompt_len"]
+    index = NgramIndex(ids[:P], max_ngram)
+    out = []
+    for a in range(P - 1, len(ids) - 1):
+        prop = index.propose(max_tokens)
+        truth = ids[a + 1:a + 1 + max_tokens]
+        k = 0
+        if prop is not None:
+            while k < min(len(prop.tokens), len(truth)) and prop.tokens[k] == truth[k]:
+                k += 1
+        out.append(k)
+        index.extend([ids[a + 1]])
+    return out
+
+
+def simulate_tau(accepted: list[int]) -> tuple[int, int]:
+    """(tokens, rounds) of a decoder whose round at anchor a accepts accepted[a] drafts plus a bonus."""
+    a = tokens = rounds = 0
+    while a < len(accepted):
+        step = accepted[a] + 1
+        tokens, rounds, a = tokens + step, rounds + 1, a + step
+    return tokens, rounds
+
+
+def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8) -> dict:
+    """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain/lookup/both)."""
+    groups: dict[str, dict] = {}
+    for rec in records:
+        lengths, hits = chain_lengths(drafter, target, rec)
+        looks = lookup_lengths(rec)
+        for name in (rec["category"], "all"):
+            g = groups.setdefault(name, {"hits": [[0, 0] for _ in range(depths)], "chain": [],
+                                         "sim": {k: [0, 0] for k in ("chain", "lookup", "both")}})
+            for row in hits:
+                for d, ok in enumerate(row[:depths]):
+                    g["hits"][d][0] += ok
+                    g["hits"][d][1] += 1
+            g["chain"] += lengths
+            for k, acc in (("chain", lengths), ("lookup", looks), ("both", [max(x, y) for x, y in zip(lengths, looks)])):
+                t, r = simulate_tau(acc)
+                g["sim"][k][0] += t
+                g["sim"][k][1] += r
+    return {name: {"acc": [round(h / max(n, 1), 3) for h, n in g["hits"]],
+                   "chain_len": round(sum(g["chain"]) / max(len(g["chain"]), 1), 3),
+                   "tau": {k: round(t / max(r, 1), 3) for k, (t, r) in g["sim"].items()}}
+            for name, g in groups.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bastion.heldout", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=EMBEDDED)
+    ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "bastion" / "heldout.pt",
+                    help="where the target's continuations are kept between runs")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.model, torch.float32, "cpu")
+    if a.drafter is None:
+        drafter = load_default_drafter(target, None, a.model)
+        if drafter is None:
+            ap.error("no drafter: pass --drafter DIR")
+    else:
+        drafter = load_drafter(Path(a.drafter), target.hidden_size, target.vocab_size, target.num_layers,
+                               dtype=torch.float32)
+    drafter = drafter.float().eval()
+    records = eval_records(target, drafter.cfg.target_layer_ids, a.cache)
+    res = evaluate(drafter, target, records)
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print("| prompts | acc depth 1–8 | chain length | τ chain | τ lookup | τ both |\n|---|---|---:|---:|---:|---:|")
+    for name, r in res.items():
+        print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
+              f"{r['tau']['chain']:.2f} | {r['tau']['lookup']:.2f} | {r['tau']['both']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The teacher-forced held-out evaluation agrees with what the engine does."""
+
+import torch
+
+from bastion.engine import Engine, GenerationConfig
+from bastion.heldout import chain_lengths, evaluate, lookup_lengths, simulate_tau
+from tiny import tiny_drafter, tiny_target
+
+
+def test_simulated_tau_counts_rounds_like_a_decoder():
+    assert simulate_tau([0, 0, 0]) == (3, 3)
+    assert simulate_tau([2, 9, 9, 0, 1, 5]) == (6, 3)  # rounds at anchors 0 (3 tokens), 3 (1), 4 (2)
+    assert simulate_tau([]) == (0, 0)
+
+
+def test_lookup_lengths_see_only_the_past():
+    rec = {"ids": [1, 2, 3, 1, 2, 3, 1, 2, 4], "prompt_len": 3}
+    # anchor 2 (token 3): no earlier "3" → 0; anchor 3 (token 1): the earlier "1" was followed by "2 3 1",
+    # exactly what comes next
+    assert lookup_lengths(rec, max_ngram=3, max_tokens=3)[:2] == [0, 3]
+
+
+def test_teacher_forced_chain_equals_the_engines_chain_rounds():
+    target = tiny_target("llama", dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = [3, 5, 7, 11]
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="chain", max_new_tokens=40)))
+    ids = prompt + [t for s in steps for t in s.tokens]
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+    rec = {"category": "x", "ids": ids, "prompt_len": len(prompt), "feats": feats}
+    lengths, hits = chain_lengths(drafter, target, rec)
+    assert len(lengths) == len(ids) - len(prompt)
+    for s in steps[:-1]:  # the last round may be cut by max_new_tokens
+        a = s.context_len - 1  # the root's position
+        assert lengths[a - (len(prompt) - 1)] == len(s.accepted) - 1, s.index
+    tokens, rounds = simulate_tau(lengths)
+    assert rounds == len(steps) or abs(rounds - len(steps)) <= 1
+    res = evaluate(drafter, target, [rec], depths=3)
+    assert set(res) == {"x", "all"} and len(res["all"]["acc"]) == 3
+    assert res["all"]["tau"]["both"] >= max(res["all"]["tau"]["chain"], res["all"]["tau"]["lookup"]) - 1e-9
