@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     print("| prompts | acc depth 1–8 | chain length | τ chain | τ lookup | τ both |\n|---|---|---:|---:|---:|---:|")
-    for name, r in res.items():
+    for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
         print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
               f"{r['tau']['chain']:.2f} | {r['tau']['lookup']:.2f} | {r['tau']['both']:.2f} |")
     return 0
