@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bastion.engine import Step
+from bastion.records import Step
 from bastion.latency import HardwareSpec, ModelSpec
 
 FORMAT, VERSION = "bastion-run", 1
