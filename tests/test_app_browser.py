@@ -40,8 +40,20 @@ def open_browser(playwright):
 
 def run_prompt(page, prompt: str, timeout_ms: int) -> None:
     """Type a prompt, press Run, wait until the tree is drawn and the run has finished."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.fill("#prompt textarea", prompt)
-    page.click("#run-btn")
+    for attempt in range(3):
+        # a click that lands before the page's event handlers are connected does nothing (seen once
+        # per few runs on a loaded machine, then the wait below hung): click again if nothing started
+        page.click("#run-btn")
+        try:
+            page.wait_for_function("/running|measuring|finished|stopped/.test(document.querySelector('#stats')"
+                                   "?.innerText || '')", timeout=20000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
     page.wait_for_selector("#tree-plot .js-plotly-plot .scatterlayer .points path", timeout=timeout_ms)
     page.wait_for_function("document.querySelector('#stats')?.innerText.includes('status: finished')",
                            timeout=timeout_ms)
