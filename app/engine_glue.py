@@ -216,8 +216,7 @@ class Runtime:
         with self.lock:
             self._run_id += 1
             run_id, engine = self._run_id, self.engine
-            if cfg.strategy == "bastion" and not engine.latency.slope_identified():
-                engine.probe_latency()  # here, not inside the first round: off the clock, before the snapshot
+            engine.prepare(cfg)  # here, not inside the first round: off the clock, before the snapshot
             calib = calib_snapshot(engine.latency)
         steps = engine.generate(prompt_ids, cfg)
         clock = 0.0

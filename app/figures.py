@@ -170,9 +170,9 @@ def gain_cost_points(step: dict) -> dict:
     lookup = []
     if step.get("trace"):
         rows += [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
-                 if not d["reason"].startswith("lookup")]
+                 if d.get("source", "draft") != "lookup"]
         lookup = [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
-                  if d["reason"].startswith("lookup")]
+                  if d.get("source") == "lookup"]
     elif step.get("cost_curve"):
         total = 0.0
         rows = []

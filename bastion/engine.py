@@ -243,6 +243,13 @@ class Engine:
                     self.latency.observe(s, context, t.verify)
         target.reset()
 
+    def prepare(self, cfg: GenerationConfig) -> None:
+        """One-time work a run needs before its clock starts: a Bastion run whose latency window cannot
+        tell C(n)'s slope probes it (:meth:`probe_latency`). ``generate`` calls this itself; a caller that
+        times or snapshots the engine around ``generate`` (the app) calls it first."""
+        if cfg.strategy == "bastion" and not self.latency.slope_identified():
+            self.probe_latency()
+
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
         """Yield one Step per round until a stop token, max_new_tokens or the context limit."""
@@ -254,8 +261,7 @@ class Engine:
         limit = self.target.max_positions
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
-        if cfg.strategy == "bastion" and not self.latency.slope_identified():
-            self.probe_latency()  # before the clock starts: a one-time calibration, not decode time
+        self.prepare(cfg)  # before the clock starts: one-time calibration, not decode time
         target, drafter, params = self.target, self.drafter, cfg.sampling
         device = target.device
         t_prefill = time.perf_counter()

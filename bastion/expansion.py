@@ -41,6 +41,7 @@ class Decision:
     throughput: float    # predicted (S_{n+1}) / (T + C(n+1)) in tokens/s
     added: bool
     reason: str
+    source: str = "draft"  # "draft" (the drafter's marginals) or "lookup" (prompt lookup)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -236,13 +237,12 @@ def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], co
     p = max(tree.path_probs[node], reused)
     n0, s_total = len(tree), tree.expected_tokens
     best_thr, best_j = s_total / max(round_overhead + cost(n0), 1e-12), 0
-    probs, trace = [], []
+    trace = []
     for j, (tok, r) in enumerate(zip(tokens[i:], rates[i:]), start=1):
         if n0 - 1 + j > max_nodes or tree.depths[node] + j > max_depth:
             break
         p *= r
         s_total += p
-        probs.append(p)
         c = cost(n0 + j)
         thr = s_total / max(round_overhead + c, 1e-12)
         trace.append((tok, p, s_total, c, thr))
@@ -254,7 +254,8 @@ def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], co
         idx = n0 + j - 1
         would_be_parent = parent if keep else (node if j == 1 else idx - 1)
         exp.trace.append(Decision(idx, tree.depths[node] + j, tok, would_be_parent, p, s, c, thr, keep,
-                                  "lookup: kept (raises predicted throughput)" if keep else "lookup: no gain"))
+                                  "lookup: kept (raises predicted throughput)" if keep else "lookup: no gain",
+                                  source="lookup"))
         if keep:
             parent = tree.add(tok, parent, rates[i + j - 1], p, -1)
             chain.append(parent)

@@ -169,9 +169,9 @@ def test_lookup_nodes_are_squares_with_their_own_hover_and_gain_series():
     step["tree"]["ranks"][last] = -1  # the last node came from prompt lookup
     step["trace"] = [d for d in step["trace"] if d["node"] != last] + [
         {"node": last, "depth": 1, "token": 10 + last, "parent": PARENTS[last], "p": 0.4, "expected": 3.0,
-         "cost": 0.02, "throughput": 50.0, "added": True, "reason": "lookup: kept (raises predicted throughput)"},
+         "cost": 0.02, "throughput": 50.0, "added": True, "reason": "lookup: kept (raises predicted throughput)", "source": "lookup"},
         {"node": last + 1, "depth": 2, "token": 5, "parent": last, "p": 0.1, "expected": 3.1,
-         "cost": 0.021, "throughput": 49.0, "added": False, "reason": "lookup: no gain"}]
+         "cost": 0.021, "throughput": 49.0, "added": False, "reason": "lookup: no gain", "source": "lookup"}]
     fig = figures.tree_figure(step)
     symbols = [sym for t in fig.data if t.mode == "markers+text" for sym in t.marker.symbol]
     assert symbols.count("square") == 1 and "1 nodes from prompt lookup" in fig.layout.title.text
