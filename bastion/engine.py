@@ -20,7 +20,7 @@ from .drafter import DFlashDrafter
 from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_topk, extend_with_lookup,
                         topk_tensors)
 from .kernels import get_kernels
-from .latency import LatencyModel, ModelSpec, hardware_for
+from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
 from .lookup import LookupStats, NgramIndex
 from .records import GenerationResult, StageTimes, Step
 from .target import Target
@@ -29,7 +29,8 @@ from .verify import SamplingParams, accept
 
 STRATEGIES = ("ar", "chain", "fixed", "bastion")
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
-PROBE_SIZES = (1, 8, 32, 64)  # tree sizes timed by Engine.probe_latency
+PROBE_ROWS = 16          # Engine.probe_latency times every row count 1..PROBE_ROWS (RowPadding) ...
+PROBE_SIZES = (32, 64)   # ... and these larger trees, so C(n)'s slope is measured
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class GenerationConfig:
     lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
     lookup_ngram: int = 3    # longest context suffix matched
     lookup_tokens: int = 10  # most tokens proposed
+    pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -161,6 +163,7 @@ class Engine:
         # one calibrator per acceptance rule: T = 0 and each (T, top-k, top-p) accept differently
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
         self.lookup_stats: dict[tuple, LookupStats] = {}
+        self.padding: RowPadding | None = None  # measured by probe_latency
 
     @staticmethod
     def _rule_key(cfg: GenerationConfig) -> tuple:
@@ -173,6 +176,14 @@ class Engine:
         return self.lookup_stats.setdefault(self._rule_key(cfg), LookupStats())
 
     # ----------------------------------------------------------------- helpers
+    def rows(self, cfg: GenerationConfig, n: int) -> int:
+        """The row count an n-node tree is verified as (n, or more rows when that is cheaper)."""
+        return self.padding.rows(n) if cfg.pad_rows and self.padding is not None else n
+
+    def cost(self, cfg: GenerationConfig, context: int):
+        """n ↦ predicted verify seconds of an n-node tree at this context, padding included."""
+        return lambda n: self.latency.predict(self.rows(cfg, n), context)
+
     def _decode(self, ids: list[int]) -> list[str]:
         tok = self.target.tokenizer
         return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
@@ -187,12 +198,12 @@ class Engine:
         """The tree of this round: root only (ar), the argmax path (chain) or best-first (fixed, bastion).
         ``topk`` holds the (possibly calibrated) log confidences and ids, ``raw`` the drafter's log q."""
         if topk is None:
-            c1 = self.latency.predict(1, context)
+            c1 = self.cost(cfg, context)(1)
             return Expansion(DraftTree.root_only(root), stop_reason="autoregressive: root only", root_cost=c1)
         vals, ids = topk
         if cfg.strategy == "chain":
             return chain_from_topk(root, vals, ids, raw)
-        return best_first_from_topk(root, vals, ids, self._rule(cfg), lambda n: self.latency.predict(n, context),
+        return best_first_from_topk(root, vals, ids, self._rule(cfg), self.cost(cfg, context),
                                     self.latency.round_overhead(), raw)
 
     def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
@@ -217,21 +228,29 @@ class Engine:
         members.update(extra)
         return torch.cat([vocab, torch.tensor(extra, dtype=vocab.dtype, device=vocab.device)])
 
-    def probe_latency(self, sizes: tuple[int, ...] = PROBE_SIZES, context: int = 32, repeats: int = 2) -> None:
-        """Time verifications of a few tree sizes on a dummy context and feed them to the latency model.
+    def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES, context: int = 32,
+                      repeats: int = 3) -> None:
+        """Time verifications of 1..max_rows rows and of a few larger trees on a dummy context.
 
-        Online calibration fits C(n) from the rounds that ran, but a slope needs different n: after AR
-        rounds only (n = 1), or on a fresh engine, C(n) would come from the analytic prior alone. A
-        handful of forwards (well under a second on a CPU for a 135M model) identifies it. The first
-        repeat of each size is a warm-up and is not recorded. Leaves the target's cache empty.
+        Two uses of the same forwards. (1) The row-padding table (:class:`RowPadding`): on a CPU a
+        forward over 3 rows can cost more than over 5, and the engine then runs small trees padded.
+        (2) C(n)'s slope: online calibration fits C(n) from the rounds that ran, but a slope needs
+        different n; after AR rounds only (n = 1), or on a fresh engine, C(n) would come from the
+        analytic prior alone. Sizes are timed in passes (a warm-up pass, then ``repeats`` timed ones,
+        each in a rotated order so drift hits every size alike); each size keeps its fastest time (the
+        least disturbed by other work). The latency model is fed the sizes padding keeps plus
+        ``sizes``. A few seconds for the embedded target on 2 CPU cores. Leaves the cache empty.
         """
         target = self.target
-        sizes = [s for s in sizes if s + 2 <= target.max_positions] or [1]
-        context = max(1, min(context, target.max_positions - max(sizes) - 1))
-        prefix_ids = torch.arange(context, device=target.device) % target.vocab_size
-        target.prefill(prefix_ids)
-        for rep in range(repeats):
-            for s in sizes:
+        max_rows = max(1, min(max_rows, target.max_positions - 2))
+        sizes = [s for s in sizes if max_rows < s and s + 2 <= target.max_positions]
+        every = list(range(1, max_rows + 1)) + sizes
+        context = max(1, min(context, target.max_positions - max(every) - 1))
+        target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
+        best = {s: float("inf") for s in every}
+        for rep in range(repeats + 1):
+            shift = (rep * 7) % len(every)
+            for s in every[shift:] + every[:shift]:
                 parents = list(range(-1, s - 1))  # a chain: the mask's shape does not change the cost
                 mask, pos = self.kernels.tree_mask(parents, context, target.dtype, target.device)
                 tokens = torch.arange(s, device=target.device) % target.vocab_size
@@ -240,14 +259,20 @@ class Engine:
                     target.forward_tree(tokens, mask, pos)
                 target.commit(context, [])
                 if rep > 0:
-                    self.latency.observe(s, context, t.verify)
+                    best[s] = min(best[s], t.verify)
         target.reset()
+        self.padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
+        for s in sorted(set(self.padding.padded) | set(sizes)):
+            self.latency.observe(s, context, best[s])
 
     def prepare(self, cfg: GenerationConfig) -> None:
-        """One-time work a run needs before its clock starts: a Bastion run whose latency window cannot
-        tell C(n)'s slope probes it (:meth:`probe_latency`). ``generate`` calls this itself; a caller that
-        times or snapshots the engine around ``generate`` (the app) calls it first."""
-        if cfg.strategy == "bastion" and not self.latency.slope_identified():
+        """One-time work a run needs before its clock starts: a drafting run on an engine that has not
+        measured its row costs, or a Bastion run whose latency window cannot tell C(n)'s slope, probes
+        them (:meth:`probe_latency`). ``generate`` calls this itself; a caller that times or snapshots
+        the engine around ``generate`` (the app) calls it first."""
+        if cfg.strategy == "ar":
+            return
+        if (cfg.pad_rows and self.padding is None) or (cfg.strategy == "bastion" and not self.latency.slope_identified()):
             self.probe_latency()
 
     # ----------------------------------------------------------------- the loop
@@ -296,8 +321,9 @@ class Engine:
             with self.timer(times, "build"):
                 exp = self._build(cfg, root, topk, prefix, raw_logq)
                 tree = exp.tree
+                cost = self.cost(cfg, prefix)
                 if gate is not None and drafting:
-                    c1, cn = self.latency.predict(1, prefix), self.latency.predict(len(tree), prefix)
+                    c1, cn = cost(1), cost(len(tree))
                     gate.judge(tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
                                1.0 / max(self.latency.overhead_s + c1, 1e-12))
                 elif gate is not None:
@@ -305,18 +331,20 @@ class Engine:
                 lookup = index_ng.propose(cfg.lookup_tokens) if use_lookup else None
                 rates = lstats.rates(lookup) if lookup is not None else []
                 if lookup is not None:  # a second source, merged after the gate judged the drafter alone
-                    chain_nodes = extend_with_lookup(exp, lookup.tokens, rates,
-                                                     lambda n: self.latency.predict(n, prefix),
+                    chain_nodes = extend_with_lookup(exp, lookup.tokens, rates, cost,
                                                      self.latency.round_overhead() if drafting
                                                      else self.latency.overhead_s, cfg.max_nodes,
                                                      limit - committed - 1)
                     tree = exp.tree
-                mask, pos = self.kernels.tree_mask(tree.parents, prefix, target.dtype, device)
-                tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                # dummy rows (children of the root, never accepted, cropped at commit) up to the
+                # cheapest row count: see RowPadding
+                n, rows = len(tree), self.rows(cfg, len(tree))
+                mask, pos = self.kernels.tree_mask(tree.parents + [0] * (rows - n), prefix, target.dtype, device)
+                tokens = torch.tensor(tree.tokens + [root] * (rows - n), dtype=torch.long, device=device)
             with self.timer(times, "verify"):
                 out = target.forward_tree(tokens, mask, pos)
             with self.timer(times, "commit"):
-                acc = accept(tree, out.logits, params, self.kernels, pos[0])
+                acc = accept(tree, out.logits[:n], params, self.kernels, pos[0, :n])
                 target.commit(prefix, acc.accepted)
                 if dcache is not None and out.features is not None:
                     drafter.extend_cache(dcache, out.features[acc.accepted])
@@ -341,8 +369,8 @@ class Engine:
                 index_ng.extend(new)
             if not finish and committed + len(new) + 1 >= limit:
                 finish = "context limit"
-            predicted = self.latency.predict(len(tree), prefix)  # before this round's measurement
-            self.latency.observe(len(tree), prefix, times.verify)
+            predicted = self.latency.predict(rows, prefix)  # before this round's measurement
+            self.latency.observe(rows, prefix, times.verify)
             self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
             step = Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
                         self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
@@ -350,7 +378,7 @@ class Engine:
                         prefill_s, bool(finish), finish,
                         [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
                         [row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
-                        lookup.tokens if lookup is not None else [], rates)
+                        lookup.tokens if lookup is not None else [], rates, rows)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time

@@ -56,11 +56,12 @@ class Step:
     draft_ids: list[list[int]] = field(default_factory=list)     # per depth, their token ids
     lookup_tokens: list[int] = field(default_factory=list)  # this round's prompt-lookup proposal (may be unused)
     lookup_rates: list[float] = field(default_factory=list)  # its estimated per-token acceptance rates r_d
+    rows: int = 0                # rows the target verified: the tree plus padding (0: a record made before padding)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
                                             "token_texts", "bonus", "context_len", "generated", "finished",
-                                            "finish_reason")}
+                                            "finish_reason", "rows")}
         d.update(tree=self.tree.to_dict(), trace=[x.to_dict() for x in self.trace],
                  expected_tokens=round(self.expected_tokens, 6),
                  predicted_verify_s=round(self.predicted_verify_s, 6),
@@ -88,7 +89,7 @@ class Step:
             draft_logq=[[float(v) for v in row] for row in d.get("draft_logq", [])],
             draft_ids=[[int(v) for v in row] for row in d.get("draft_ids", [])],
             lookup_tokens=[int(v) for v in d.get("lookup_tokens", [])],
-            lookup_rates=[float(v) for v in d.get("lookup_rates", [])],
+            lookup_rates=[float(v) for v in d.get("lookup_rates", [])], rows=int(d.get("rows", 0)),
             finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
 
 

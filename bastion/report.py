@@ -53,7 +53,7 @@ def write_report(out: BenchOutput, folder: Path) -> list[Path]:
     paths[0].write_text(json.dumps(out.results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     paths[1].write_text(markdown(out.results), encoding="utf-8")
     with open(paths[2], "w", newline="") as fh:
-        fields = ["strategy", "category", "prompt", "repeat", "round", "tree_size", "context", "tokens",
+        fields = ["strategy", "category", "prompt", "repeat", "round", "tree_size", "rows", "context", "tokens",
                   "predicted_s", "measured_s"]
         writer = csv.DictWriter(fh, fields)
         writer.writeheader()

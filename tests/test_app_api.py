@@ -210,7 +210,7 @@ def test_run_handler_shows_bad_settings_in_the_page():
 
 
 def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
-    from bastion.engine import PROBE_SIZES
+    from bastion.engine import PROBE_ROWS, PROBE_SIZES
     rt = tiny_runtime()
     ids = rt.encode("calibration")
     ar = list(rt.stream(ids, GenerationConfig(strategy="ar", max_new_tokens=6)))
@@ -220,7 +220,10 @@ def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
     before = calib_snapshot(lat)  # the state the AR run left
     records = list(rt.stream(ids, GenerationConfig(strategy="bastion", max_new_tokens=6)))
     # the probe ran before the first round, off its clock, and the first round's decisions saw it
-    assert len(lat.samples) == len(ar) + len(PROBE_SIZES) + len(records) and lat.slope_identified()
-    assert records[0]["calib"] != before
-    assert {s for s, _, _ in lat.samples} >= set(PROBE_SIZES)
+    padding = rt.engine.padding
+    assert padding is not None and len(padding.padded) == PROBE_ROWS
+    probed = set(padding.padded) | set(PROBE_SIZES)  # the row counts padding keeps, and the slope sizes
+    assert len(lat.samples) == len(ar) + len(probed) + len(records) and lat.slope_identified()
+    assert records[0]["calib"] != before and records[0]["calib"]["padded"] == padding.padded
+    assert {s for s, _, _ in lat.samples} >= probed
     assert records[1]["calib"] != records[0]["calib"]  # each record carries the state its round used

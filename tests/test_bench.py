@@ -84,6 +84,9 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     (["--strategies", "fixed:x"], "positive integer"),
     (["--strategies", "fixed:-4"], "positive integer"),
     (["--strategies", "fixed"], "positive integer"),
+    (["--strategies", "ar:nopad"], "only drafting strategies"),
+    (["--strategies", "hf_generate:nopad"], "only drafting strategies"),
+    (["--strategies", "fixed:0:nopad"], "positive integer"),
     (["--repeats", "0"], "--repeats"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--limit-per-category", "0"], "--limit-per-category"),
@@ -107,3 +110,12 @@ def test_bad_input_exits_2_before_loading(argv, message, tmp_path, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_nopad_variants_turn_row_padding_off():
+    found = {s.name: s for s in bench.parse_strategies("bastion:nopad,fixed:16:nopad,chain:nopad,bastion:nolookup:nopad")}
+    assert found["ar"].pad_rows and list(found)[1:] == ["bastion:nopad", "fixed:16:nopad", "chain:nopad",
+                                                         "bastion:nolookup:nopad"]
+    assert not any(s.pad_rows for n, s in found.items() if n != "ar")
+    assert found["fixed:16:nopad"].budget == 16 and not found["bastion:nolookup:nopad"].lookup
+    assert not found["bastion:nopad"].config(8, 0.0, 0).pad_rows

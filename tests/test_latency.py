@@ -90,3 +90,28 @@ def test_rounds_without_a_draft_leave_the_draft_time_alone():
     assert lm.draft_s == 0.02 and abs(lm.overhead_s - 0.003) < 1e-6
     lm.observe_overheads(0.04, 0.003)
     assert abs(lm.draft_s - 0.024) < 1e-9
+
+
+def test_row_padding_is_the_monotone_envelope_of_measured_costs():
+    from bastion.latency import RowPadding
+
+    rng = random.Random(3)
+    for trial in range(200):
+        m = rng.randint(1, 24)
+        t = [rng.uniform(0.5, 2.0) + 0.02 * i for i in range(m)]  # bumpy, rising slowly
+        margin = rng.choice([0.0, 0.03, 0.1])
+        pad = RowPadding.from_times(t, margin)
+        for n in range(1, m + 1):
+            r = pad.rows(n)
+            assert n <= r <= m and t[r - 1] <= t[n - 1]  # never more expensive than running n rows
+            best = min(t[n - 1:])
+            assert t[r - 1] <= best * (1.0 + margin) + 1e-12  # within the margin of the cheapest count ≥ n
+            assert all(t[k - 1] > best * (1.0 + margin) for k in range(n, r))  # and the fewest rows that are
+            if n < m:  # effective cost rises with n, up to the margin
+                assert t[r - 1] <= t[pad.rows(n + 1) - 1] * (1.0 + margin) + 1e-12
+        assert pad.rows(m + 5) == m + 5 and pad.rows(0) == 0
+    # the case seen on a 2-core CPU (ms for 1..8 rows): 2–4 rows run as 5, 6–7 as 8
+    pad = RowPadding.from_times([56, 95, 117, 88, 75, 85, 104, 82])
+    assert pad.padded == [1, 5, 5, 5, 5, 8, 8, 8]
+    pad = RowPadding.from_times([1.0, 0.99, 2.0])  # 1% cheaper is within the default 3% margin: no padding
+    assert pad.padded == [1, 2, 3]

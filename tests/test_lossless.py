@@ -152,3 +152,29 @@ def test_draft_gate_never_skips_a_drafter_that_pays():
     steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=30)))
     assert all(s.draft_ids for s in steps)
     assert [t for s in steps for t in s.tokens] == full[len(prompt):]
+
+
+def test_row_padding_keeps_every_strategy_lossless():
+    """Dummy rows added to reach a cheaper row count never change the output (greedy and sampled)."""
+    from bastion.latency import RowPadding
+
+    target = tiny_target("qwen3", dtype=torch.float64)
+    prompt = [4, 9, 2, 7]
+    full = hf_greedy(target, prompt, 20)
+    drafter = OracleDrafter(tiny_drafter(target, block_size=6), full, target.vocab_size, hit=0.8, spread=2)
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=20)).token_ids
+    # a made-up cost table under which every tree is padded to a multiple of 8 rows
+    engine.padding = RowPadding.from_times([1.0 + 0.1 * (n % 8) for n in range(1, 49)], 0.0)
+    padded_rounds = 0
+    for strategy, kw in STRATS + [("ar", {})]:
+        steps = list(engine.generate(prompt, GenerationConfig(strategy=strategy, max_new_tokens=20, **kw)))
+        assert [t for s in steps for t in s.tokens] == ref, (strategy, kw)
+        assert all(s.rows == engine.padding.rows(len(s.tree)) >= len(s.tree) for s in steps)
+        padded_rounds += sum(s.rows > len(s.tree) for s in steps)
+    assert padded_rounds > 40  # the padding was really exercised
+    for seed in range(3):
+        cfg = dict(max_new_tokens=16, temperature=1.0, seed=seed, budget=9)
+        padded = engine.run(prompt, GenerationConfig(strategy="fixed", **cfg)).token_ids
+        plain = engine.run(prompt, GenerationConfig(strategy="fixed", pad_rows=False, **cfg)).token_ids
+        assert padded == plain == engine.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
