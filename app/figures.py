@@ -148,7 +148,9 @@ def tree_figure(step: dict) -> go.Figure:
     n_look = sum(1 for r in ranks[1:len(tree["tokens"])] if r < 0)
     title = (f"Round {step['index']}: tree of {len(tree['tokens'])} nodes, {n_acc} accepted"
              f"{' + bonus' if status[-1] == 'bonus' else ''} ({step['strategy']})"
-             + (f"<br><sup>squares: {n_look} nodes from prompt lookup</sup>" if n_look else ""))
+             + (f"<br><sup>squares: {n_look} nodes from prompt lookup</sup>" if n_look else "")
+             + (f"<br><sup>verified as {step['rows']} rows: padding to a cheaper row count</sup>"
+                if step.get("rows", 0) > len(tree["tokens"]) else ""))
     fig.update_xaxes(title="depth", dtick=1, range=[-0.4, max(depth) + 1.2], zeroline=False)
     fig.update_yaxes(visible=False, range=[-leaves + 0.3, 0.7])
     fig = _base_layout(fig, title, int(min(1100, max(360, 60 + 18 * leaves))))
@@ -218,7 +220,8 @@ def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
                                  mode="markers", marker=dict(symbol="diamond", size=12, color=COLORS["measured"])),
                       row=2, col=1)
     fig.add_vline(x=chosen, line=dict(color=COLORS["bonus"], width=2, dash="dash"))
-    fig.add_annotation(text=f"stop: n = {chosen}", x=chosen, y=1.0, xref="x", yref="paper", yanchor="bottom",
+    rows = int(step.get("rows") or chosen)  # row padding: C(n) is the cost of the cheaper row count it runs as
+    fig.add_annotation(text=f"stop: n = {chosen}" + (f", verified as {rows} rows" if rows > chosen else ""), x=chosen, y=1.0, xref="x", yref="paper", yanchor="bottom",
                        showarrow=False, font=dict(size=11, color=COLORS["bonus"]),
                        xanchor="left" if chosen < max(pts["n"]) * 0.6 else "right")
     fig.update_yaxes(title_text="tokens", row=1, col=1, secondary_y=False)

@@ -126,6 +126,17 @@ def test_gain_cost_marker_at_chosen_size():
     assert thr.y[0] == pytest.approx(1.0 / (0.02 + 0.01))
 
 
+def test_padded_rounds_say_how_many_rows_were_verified():
+    step = make_step(PARENTS, ACCEPTED)
+    n = len(PARENTS)
+    plain_gain, plain_tree = figures.gain_cost_figure(step), figures.tree_figure(step)
+    assert "rows" not in plain_tree.layout.title.text
+    assert not any("rows" in a.text for a in plain_gain.layout.annotations)
+    step["rows"] = n + 3
+    assert f"verified as {n + 3} rows" in figures.tree_figure(step).layout.title.text
+    assert any(a.text == f"stop: n = {n}, verified as {n + 3} rows" for a in figures.gain_cost_figure(step).layout.annotations)
+
+
 def test_gain_cost_for_a_chain_uses_recorded_costs():
     step = make_step([-1, 0, 1, 2], [0, 1], strategy="chain")
     step["trace"], step["cost_curve"] = [], [0.01, 0.011, 0.012, 0.013]
