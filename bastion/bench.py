@@ -276,6 +276,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
                 bar.update()
     bar.close()
     machine["load_average_end"] = load_average()
+    # the row padding the engine measured during the warm-ups (None when no strategy drafted)
+    machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,

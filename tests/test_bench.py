@@ -42,6 +42,9 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert {"machine", "command", "strategies", "categories", "prompts"} <= set(res)
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
+    padding = res["machine"]["row_padding"]  # measured in the first drafting warm-up
+    assert len(padding["padded"]) == len(padding["seconds"]) > 1
+    assert all(m >= n for n, m in enumerate(padding["padded"], 1))
     names = ["ar", "chain", "fixed:4", "fixed:16", "bastion", "bastion:always", "bastion:raw", "bastion:nolookup", "hf_generate", "hf_prompt_lookup"]
     assert list(res["strategies"]) == names
     assert list(res["categories"]) == ["chat", "code", "math"]
