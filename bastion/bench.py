@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -40,7 +39,7 @@ from tqdm import tqdm
 from transformers.generation import BaseStreamer
 
 from .engine import Engine, GenerationConfig
-from .report import STAGES, BenchOutput, load_average, machine_info, markdown, write_report
+from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
 ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
 HF_BASELINES = ("hf_generate", "hf_prompt_lookup")
@@ -142,21 +141,6 @@ def read_prompts(path: Path, limit: int | None = None) -> dict[str, list[str]]:
 
 
 # --------------------------------------------------------------------- one measured run
-@dataclass
-class Run:
-    """One generation of one prompt by one strategy."""
-
-    token_ids: list[int]
-    rounds: int                  # target forwards: engine rounds, or generate()'s token batches
-    decode_tokens: int           # tokens the decode time covers
-    decode_s: float
-    nodes: int | None = None     # Σ tree sizes, root included (engine only)
-    stage_s: dict | None = None  # seconds per stage (engine only)
-    errors: list[float] = field(default_factory=list)  # latency-model relative errors, rounds ≥ 10
-    peak_rss_mb: float = 0.0
-    peak_gpu_mb: float | None = None
-
-
 def _run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list[dict], tag: dict) -> Run:
     steps = list(engine.generate(ids, cfg))
     res = engine.summarize(steps, len(ids))
@@ -284,69 +268,7 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
                 "warmup_tokens": WARMUP_TOKENS, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
                 "timing": "decode tokens/s, prefill excluded (generate(): streamer stamps after the first batch)"}
     return BenchOutput({"machine": machine, "command": command, "settings": settings,
-                        **_tabulate(cases, [s.name for s in strategies], runs)}, rows)
-
-
-def _tabulate(cases: list[PromptCase], names: list[str], runs: dict[tuple[int, str], list[Run]]) -> dict:
-    speedup, match, prompts = {}, {}, []
-    for i, case in enumerate(cases):
-        ref, ar_rate = runs[i, "ar"][0].token_ids, _rate(runs[i, "ar"])
-        entry = {"category": case.category, "index": case.index, "prompt": case.text,
-                 "prompt_tokens": len(case.ids), "strategies": {}}
-        for name in names:
-            rs = runs[i, name]
-            speedup[i, name] = _rate(rs) / ar_rate if ar_rate > 0 else None
-            match[i, name] = all(r.token_ids == ref for r in rs)
-            stats = _pool(rs, [speedup[i, name]], [match[i, name]])
-            stats["first_mismatch"] = next((_first_mismatch(r.token_ids, ref) for r in rs if r.token_ids != ref), None)
-            stats["tokens_per_s_runs"] = [round(_rate([r]), 3) for r in rs]
-            entry["strategies"][name] = stats
-        prompts.append(entry)
-
-    def group(idx: list[int]) -> dict:
-        return {n: _pool([r for i in idx for r in runs[i, n]], [speedup[i, n] for i in idx], [match[i, n] for i in idx])
-                for n in names}
-
-    categories = {c: group([i for i, x in enumerate(cases) if x.category == c])
-                  for c in dict.fromkeys(x.category for x in cases)}
-    return {"strategies": group(list(range(len(cases)))), "categories": categories, "prompts": prompts}
-
-
-def _first_mismatch(ids: list[int], ref: list[int]) -> int:
-    return next((j for j, (x, y) in enumerate(zip(ids, ref)) if x != y), min(len(ids), len(ref)))
-
-
-def _rate(runs: list[Run]) -> float:
-    seconds = sum(r.decode_s for r in runs)
-    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else 0.0
-
-
-def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool]) -> dict:
-    """Statistics of a group of runs (definitions in the module docstring)."""
-    tokens, rounds = sum(len(r.token_ids) for r in runs), sum(r.rounds for r in runs)
-    decode_s = sum(r.decode_s for r in runs)
-    speedups = [s for s in speedups if s is not None]
-    errors = [e for r in runs for e in r.errors]
-    engine = all(r.stage_s is not None for r in runs)
-    time_s = None
-    if engine:
-        time_s = {k: sum(r.stage_s[k] for r in runs) for k in STAGES}
-        time_s["other"] = max(0.0, decode_s - sum(time_s.values()))  # loop, Step records, token texts
-    gpu = [r.peak_gpu_mb for r in runs if r.peak_gpu_mb is not None]
-    return {
-        "tokens_per_s": _round(_rate(runs)), "speedup_vs_ar": _round(statistics.fmean(speedups) if speedups else None),
-        "tau": _round(tokens / rounds if rounds else None), "match_ar": _round(statistics.fmean(matches)),
-        "mean_tree_size": _round(sum(r.nodes for r in runs) / rounds if engine and rounds else None),
-        "time_s": {k: _round(v, 6) for k, v in time_s.items()} if time_s else None,
-        "time_fraction": {k: _round(v / decode_s) for k, v in time_s.items()} if time_s and decode_s > 0 else None,
-        "latency_error": _round(statistics.median(errors) if errors else None),
-        "peak_rss_mb": _round(max(r.peak_rss_mb for r in runs), 1), "peak_gpu_mb": _round(max(gpu), 1) if gpu else None,
-        "tokens": tokens, "rounds": rounds, "decode_s": _round(decode_s, 6), "runs": len(runs),
-    }
-
-
-def _round(x: float | None, digits: int = 4) -> float | None:
-    return None if x is None else round(float(x), digits)
+                        **tabulate(cases, [s.name for s in strategies], runs)}, rows)
 
 
 # --------------------------------------------------------------------- command line
