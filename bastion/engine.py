@@ -11,7 +11,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -180,7 +180,7 @@ class Engine:
         """The row count an n-node tree is verified as (n, or more rows when that is cheaper)."""
         return self.padding.rows(n) if cfg.pad_rows and self.padding is not None else n
 
-    def cost(self, cfg: GenerationConfig, context: int):
+    def cost(self, cfg: GenerationConfig, context: int) -> Callable[[int], float]:
         """n ↦ predicted verify seconds of an n-node tree at this context, padding included."""
         return lambda n: self.latency.predict(self.rows(cfg, n), context)
 
