@@ -109,8 +109,10 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     cost = verify_cost(latency, record["calib"], c, device)
     exp = best_first_from_topk(record["tree"]["tokens"][0], record["draft_logq"], record["draft_ids"], rule,
                                cost, overhead)
-    if record.get("lookup_tokens"):  # Bastion's second source, re-sized under the same latency model
-        extend_with_lookup(exp, record["lookup_tokens"], record["lookup_rates"], cost, overhead, rule.max_nodes, 10**9)
+    for source in ("lookup", "datastore"):  # Bastion's copy sources, re-sized under the same latency model
+        if record.get(f"{source}_tokens"):
+            extend_with_lookup(exp, record[f"{source}_tokens"], record[f"{source}_rates"], cost, overhead,
+                               rule.max_nodes, 10**9, source)
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
             "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,
@@ -140,8 +142,10 @@ class Runtime:
     """
 
     def __init__(self, engine: Engine, name: str = "model",
-                 drafter_loader: Callable[[], object | None] | None = None, limits: Limits | None = None):
+                 drafter_loader: Callable[[], object | None] | None = None, limits: Limits | None = None,
+                 datastore_loader: Callable[[], object | None] | None = None):
         self.engine, self.name, self.drafter_loader = engine, name, drafter_loader
+        self.datastore_loader = datastore_loader  # the datastore that goes with a drafter loaded later
         self.limits = limits or Limits()
         self.lock = threading.Lock()
         self._run_id = 0
@@ -155,7 +159,7 @@ class Runtime:
         dependencies, and this wheel's are not wanted), the same model comes from the hub instead; the
         shipped drafter is used with it as with the embedded copy.
         """
-        from bastion.loading import EMBEDDED, load_default_drafter, load_target
+        from bastion.loading import EMBEDDED, load_default_datastore, load_default_drafter, load_target
 
         name = "SmolLM2-135M-Instruct (embedded)" if model == EMBEDDED else model
         try:
@@ -166,7 +170,10 @@ class Runtime:
             log.warning("embedded model unavailable (%s); loading %s from the hub", exc, HUB_FALLBACK)
             target, name = load_target(HUB_FALLBACK, torch.float32, device), f"{HUB_FALLBACK} (hub)"
         loader = (lambda: load_default_drafter(target, None, model))  # 'embedded' picks the shipped drafter
-        return cls(Engine(target, loader()), name, loader)
+        ds_loader = (lambda: load_default_datastore(target, None, model))  # and the datastore beside it
+        drafter = loader()
+        engine = Engine(target, drafter, datastore=ds_loader() if drafter is not None else None)
+        return cls(engine, name, loader, datastore_loader=ds_loader)
 
     @property
     def has_drafter(self) -> bool:
@@ -179,12 +186,13 @@ class Runtime:
         with self.lock:
             try:
                 drafter = self.drafter_loader()
+                datastore = self.datastore_loader() if drafter is not None and self.datastore_loader else None
             except (OSError, ValueError, RuntimeError, KeyError) as exc:
                 self.drafter_error = f"drafter failed to load: {exc}"
                 return False
             if drafter is not None:
                 padding = self.engine.padding
-                self.engine = Engine(self.engine.target, drafter, latency=self.engine.latency)
+                self.engine = Engine(self.engine.target, drafter, latency=self.engine.latency, datastore=datastore)
                 self.engine.padding = padding
                 self.drafter_error = ""
         return self.has_drafter

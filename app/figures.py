@@ -91,9 +91,10 @@ def _hover(step: dict, i: int, status: str) -> str:
         return (f"<b>{html.escape(repr(_text(step, step['bonus'])))}</b> (id {step['bonus']})<br>"
                 "bonus token: the target's own choice after the accepted path")
     choice = step["choices"][i] if i < len(step.get("choices", [])) else None
-    lookup = i > 0 and tree.get("ranks", [0] * (i + 1))[i] < 0
-    source = (f"prompt lookup: copied from earlier context, rate r = {tree['marginals'][i]:.3g}" if lookup
-              else f"drafter q = {tree['marginals'][i]:.3g}")
+    rank = tree.get("ranks", [0] * (i + 1))[i] if i > 0 else 0
+    source = (f"prompt lookup: copied from earlier context, rate r = {tree['marginals'][i]:.3g}" if rank == -1
+              else f"datastore: what the model wrote after these words elsewhere, rate r = {tree['marginals'][i]:.3g}"
+              if rank == -2 else f"drafter q = {tree['marginals'][i]:.3g}")
     lines = [f"<b>{html.escape(repr(_text(step, tree['tokens'][i])))}</b> (id {tree['tokens'][i]})",
              f"depth {tree['depths'][i]} · pop order {i}",
              f"{source} · path P (calibrated) = {tree['path_probs'][i]:.3g}"]
@@ -140,7 +141,7 @@ def tree_figure(step: dict) -> go.Figure:
             marker=dict(size=[7 + 18 * math.sqrt(probs[i]) for i in idx], color=COLORS[kind],
                         opacity=[0.9 if kind != "rejected" else 0.45 + 0.55 * probs[i] for i in idx],
                         line=dict(width=1, color="#343a40"),
-                        # squares: nodes proposed by prompt lookup rather than by the drafter
+                        # squares: nodes proposed by prompt lookup or the datastore, not by the drafter
                         symbol=["diamond" if kind == "bonus" else "square" if ranks[i] < 0 else "circle"
                                 for i in idx]),
             hovertext=[_hover(step, i, kind) for i in idx], hoverinfo="text"))
@@ -148,7 +149,7 @@ def tree_figure(step: dict) -> go.Figure:
     n_look = sum(1 for r in ranks[1:len(tree["tokens"])] if r < 0)
     title = (f"Round {step['index']}: tree of {len(tree['tokens'])} nodes, {n_acc} accepted"
              f"{' + bonus' if status[-1] == 'bonus' else ''} ({step['strategy']})"
-             + (f"<br><sup>squares: {n_look} nodes from prompt lookup</sup>" if n_look else "")
+             + (f"<br><sup>squares: {n_look} nodes from prompt lookup or the datastore</sup>" if n_look else "")
              + (f"<br><sup>verified as {step['rows']} rows: padding to a cheaper row count</sup>"
                 if step.get("rows", 0) > len(tree["tokens"]) else ""))
     fig.update_xaxes(title="depth", dtick=1, range=[-0.4, max(depth) + 1.2], zeroline=False)
@@ -172,9 +173,9 @@ def gain_cost_points(step: dict) -> dict:
     lookup = []
     if step.get("trace"):
         rows += [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
-                 if d.get("source", "draft") != "lookup"]
+                 if d.get("source", "draft") == "draft"]
         lookup = [(d["node"] + 1, d["expected"], d["cost"], d["added"]) for d in step["trace"]
-                  if d.get("source") == "lookup"]
+                  if d.get("source", "draft") != "draft"]  # prompt lookup and the datastore
     elif step.get("cost_curve"):
         total = 0.0
         rows = []
@@ -207,9 +208,9 @@ def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
     if pts["lookup"]["n"]:  # the prompt-lookup branch, sized after the drafter's tree by the same rule
         lk = pts["lookup"]
         lsym = ["square" if a else "square-open" for a in lk["added"]]
-        fig.add_trace(go.Scatter(x=lk["n"], y=lk["S"], name="S_n with lookup nodes", mode="lines+markers",
+        fig.add_trace(go.Scatter(x=lk["n"], y=lk["S"], name="S_n with copied nodes (lookup, datastore)", mode="lines+markers",
                                  marker=dict(symbol=lsym, size=7), line=dict(color=COLORS["bonus"])), row=1, col=1)
-        fig.add_trace(go.Scatter(x=lk["n"], y=[1e3 * c for c in lk["C"]], name="C(n) with lookup nodes",
+        fig.add_trace(go.Scatter(x=lk["n"], y=[1e3 * c for c in lk["C"]], name="C(n) with copied nodes",
                                  mode="lines+markers", marker=dict(symbol=lsym, size=6), line=dict(color=COLORS["bonus"]),
                                  showlegend=False), row=2, col=1)
     if step.get("tokens"):

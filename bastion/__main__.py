@@ -29,6 +29,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--no-skip-draft", action="store_true",
                    help="bastion: draft every round, even when a plain step is predicted faster")
     g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
+    g.add_argument("--no-datastore", action="store_true", help="bastion: no datastore branch in the tree")
     g.add_argument("--no-calibration", action="store_true",
                    help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
     g.add_argument("--no-pad-rows", action="store_true",
@@ -53,7 +54,7 @@ def run_generate(a) -> int:
 
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
-                           skip_draft=not a.no_skip_draft, lookup=not a.no_lookup,
+                           skip_draft=not a.no_skip_draft, lookup=not a.no_lookup, datastore=not a.no_datastore,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows)
     try:
         cfg.validate()
@@ -69,19 +70,20 @@ def run_generate(a) -> int:
         raise UsageError(f"trace folder {a.trace.parent} does not exist")
 
     from .engine import Engine
-    from .loading import encode_prompt, load_default_drafter, load_target
+    from .loading import encode_prompt, load_default_datastore, load_default_drafter, load_target
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
         target = load_target(a.model, DTYPES[a.dtype], a.device, progress=log)
         drafter = load_default_drafter(target, a.drafter, a.model)
+        datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load: {exc}") from None
     if drafter is None and cfg.strategy != "ar":
         raise UsageError(f"strategy {cfg.strategy!r} needs a drafter: pass --drafter (or use --strategy ar)")
     try:
         ids = encode_prompt(target.tokenizer, a.prompt, a.raw)
-        engine = Engine(target, drafter, kernels=a.kernels)
+        engine = Engine(target, drafter, kernels=a.kernels, datastore=datastore)
         if len(ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {target.max_positions}")
     except (ValueError, RuntimeError) as exc:

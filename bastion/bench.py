@@ -61,13 +61,15 @@ class Strategy:
     budget: int = 32
     skip_draft: bool = True  # bastion's draft gate; 'bastion:always' drafts every round (the paper's loop)
     calibrate: bool = True   # calibrated surrogate; 'bastion:raw' ranks by the drafter's own q
-    lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' is the drafter alone
+    lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' leaves it out
+    datastore: bool = True   # bastion's datastore branch; 'bastion:nods' leaves it out
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
-                                calibrate=self.calibrate, lookup=self.lookup, pad_rows=self.pad_rows)
+                                calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
+                                pad_rows=self.pad_rows)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -98,12 +100,16 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, "bastion", calibrate=False)
     if name == "bastion:nolookup":
         return Strategy(name, "bastion", lookup=False)
+    if name == "bastion:nods":
+        return Strategy(name, "bastion", datastore=False)
+    if name == "bastion:drafter":
+        return Strategy(name, "bastion", lookup=False, datastore=False)
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:drafter, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,8 @@ def add_parser(sub) -> None:
                                    "results.md, rounds.csv and PNG plots.")
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
-                   "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch); "
+                   "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "
+                   "datastore branch), bastion:drafter (neither); "
                    "a drafting name ending in :nopad verifies trees without row padding")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
@@ -351,18 +358,19 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) 
 
 
 def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
-    from .loading import load_default_drafter, load_target
+    from .loading import load_default_datastore, load_default_drafter, load_target
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
         target = load_target(a.model, dtype, a.device, progress=log)
         drafter = load_default_drafter(target, a.drafter, a.model)
+        datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load: {exc}") from None
     needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
     if drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
-    return Engine(target, drafter, kernels=a.kernels)
+    return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
 
 
 def _command(a, out_dir: Path) -> str:

@@ -21,7 +21,7 @@ from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_
                         topk_tensors)
 from .kernels import get_kernels
 from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
-from .lookup import LookupStats, NgramIndex
+from .lookup import CopySources, LookupStats
 from .records import GenerationResult, StageTimes, Step
 from .target import Target
 from .tree import DraftTree
@@ -52,7 +52,8 @@ class GenerationConfig:
     calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
     lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
     lookup_ngram: int = 3    # longest context suffix matched
-    lookup_tokens: int = 10  # most tokens proposed
+    lookup_tokens: int = 10  # most tokens proposed (by prompt lookup and by the datastore)
+    datastore: bool = True   # bastion: add the datastore's proposal when the engine has one, see datastore.py
     pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
 
     def validate(self) -> None:
@@ -150,9 +151,13 @@ class Engine:
     """Speculative decoding over a :class:`Target` with an optional DFlash drafter."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, kernels: str = "auto",
-                 latency: LatencyModel | None = None, stop_ids: set[int] | None = None):
+                 latency: LatencyModel | None = None, stop_ids: set[int] | None = None, datastore=None):
         self.target = target
         self.drafter = drafter
+        self.datastore = datastore  # bastion.datastore.Datastore or None
+        if datastore is not None and datastore.vocab_size != target.vocab_size:
+            raise ValueError(f"the datastore was built for a vocabulary of {datastore.vocab_size} tokens; "
+                             f"the target has {target.vocab_size}")
         self.kernels = get_kernels(kernels, target.device)
         if drafter is not None:
             target.set_feature_layers(drafter.cfg.target_layer_ids)
@@ -172,8 +177,21 @@ class Engine:
     def calibrator(self, cfg: GenerationConfig) -> AcceptanceCalibrator:
         return self.calibrators.setdefault(self._rule_key(cfg), AcceptanceCalibrator())
 
-    def lookup_rates(self, cfg: GenerationConfig) -> LookupStats:
-        return self.lookup_stats.setdefault(self._rule_key(cfg), LookupStats())
+    def lookup_rates(self, cfg: GenerationConfig, source: str = "lookup") -> LookupStats:
+        """Acceptance rates r(n, d) of a copy source ("lookup" or "datastore") under cfg's sampling rule."""
+        return self.lookup_stats.setdefault((source, *self._rule_key(cfg)), LookupStats())
+
+    def copy_sources(self, cfg: GenerationConfig, prompt_ids: list[int]) -> CopySources | None:
+        """Bastion's copy-based sources for one request (None: none is on)."""
+        names = []
+        if cfg.strategy == "bastion" and cfg.lookup:
+            names.append("lookup")
+        if cfg.strategy == "bastion" and cfg.datastore and self.datastore is not None:
+            names.append("datastore")
+        if not names:
+            return None
+        return CopySources(prompt_ids, cfg.lookup_tokens, {n: self.lookup_rates(cfg, n) for n in names},
+                           cfg.lookup_ngram, self.datastore)
 
     # ----------------------------------------------------------------- helpers
     def rows(self, cfg: GenerationConfig, n: int) -> int:
@@ -297,9 +315,7 @@ class Engine:
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
         vocab, in_vocab = self._request_vocab(prompt_ids)
         calib = self.calibrator(cfg)
-        use_lookup = cfg.strategy == "bastion" and cfg.lookup
-        index_ng = NgramIndex(prompt_ids, cfg.lookup_ngram) if use_lookup else None
-        lstats = self.lookup_rates(cfg) if use_lookup else None
+        copies = self.copy_sources(cfg, prompt_ids)
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
@@ -328,14 +344,13 @@ class Engine:
                                1.0 / max(self.latency.overhead_s + c1, 1e-12))
                 elif gate is not None:
                     exp.stop_reason = gate.reason()
-                lookup = index_ng.propose(cfg.lookup_tokens) if use_lookup else None
-                rates = lstats.rates(lookup) if lookup is not None else []
-                if lookup is not None:  # a second source, merged after the gate judged the drafter alone
-                    chain_nodes = extend_with_lookup(exp, lookup.tokens, rates, cost,
-                                                     self.latency.round_overhead() if drafting
-                                                     else self.latency.overhead_s, cfg.max_nodes,
-                                                     limit - committed - 1)
-                    tree = exp.tree
+                proposals = copies.propose() if copies is not None else []
+                for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
+                    prop.chain = extend_with_lookup(exp, prop.proposal.tokens, prop.rates, cost,
+                                                    self.latency.round_overhead() if drafting
+                                                    else self.latency.overhead_s, cfg.max_nodes,
+                                                    limit - committed - 1, prop.source)
+                tree = exp.tree
                 # dummy rows (children of the root, never accepted, cropped at commit) up to the
                 # cheapest row count: see RowPadding
                 n, rows = len(tree), self.rows(cfg, len(tree))
@@ -350,10 +365,8 @@ class Engine:
                     drafter.extend_cache(dcache, out.features[acc.accepted])
                 if cfg.calibrate and topk is not None:  # tree.marginals hold the drafter's raw q
                     calib.observe(tree, tree.marginals, acc.accepted)
-                if lookup is not None:
-                    on_path = set(acc.accepted)
-                    lstats.observe(lookup.ngram, chain_nodes, [tree.parents[v] in on_path for v in chain_nodes],
-                                   on_path)
+                if proposals:
+                    copies.observe(tree.parents, proposals, acc.accepted)
             new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
             finish = ""
             for j, tok in enumerate(new):
@@ -365,8 +378,8 @@ class Engine:
             generated += len(new)
             if vocab is not None and not in_vocab.issuperset(new):  # a word the draft vocabulary lacked
                 vocab = self._widen_vocab(vocab, in_vocab, new)
-            if index_ng is not None:
-                index_ng.extend(new)
+            if copies is not None:
+                copies.extend(new)
             if not finish and committed + len(new) + 1 >= limit:
                 finish = "context limit"
             predicted = self.latency.predict(rows, prefix)  # before this round's measurement
@@ -378,7 +391,7 @@ class Engine:
                         prefill_s, bool(finish), finish,
                         [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
                         [row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
-                        lookup.tokens if lookup is not None else [], rates, rows)
+                        *self._proposed(proposals, "lookup"), rows, *self._proposed(proposals, "datastore"))
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time
@@ -388,6 +401,12 @@ class Engine:
             committed += len(new)
             root = acc.bonus
             index += 1
+
+    @staticmethod
+    def _proposed(proposals: list, source: str) -> tuple[list[int], list[float]]:
+        """(tokens, rates) of this round's proposal from ``source``, empty when it had none."""
+        p = next((p for p in proposals if p.source == source), None)
+        return (list(p.proposal.tokens), list(p.rates)) if p is not None else ([], [])
 
     def run(self, prompt_ids: list[int], cfg: GenerationConfig) -> GenerationResult:
         """Drain :meth:`generate` into a result."""

@@ -41,7 +41,7 @@ class Decision:
     throughput: float    # predicted (S_{n+1}) / (T + C(n+1)) in tokens/s
     added: bool
     reason: str
-    source: str = "draft"  # "draft" (the drafter's marginals) or "lookup" (prompt lookup)
+    source: str = "draft"  # "draft" (the drafter's marginals), "lookup" (prompt lookup) or "datastore"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -208,12 +208,17 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
     return exp
 
 
+COPY_RANKS = {"lookup": -1, "datastore": -2}  # DraftTree.ranks of nodes a copy source added
+
+
 def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], cost: Callable[[int], float],
-                       round_overhead: float, max_nodes: int, max_depth: int) -> list[int]:
-    """Merge a prompt-lookup proposal into ``exp.tree`` and keep the prefix the throughput rule pays for.
+                       round_overhead: float, max_nodes: int, max_depth: int, source: str = "lookup") -> list[int]:
+    """Merge a copied proposal (prompt lookup, or the datastore: ``source``) into ``exp.tree`` and
+    keep the prefix the throughput rule pays for.
 
     The proposal is walked down the tree as a trie path: while a child carries the next proposed
-    token, it is reused. The rest hangs below as a chain of new nodes (rank −1: not the drafter's)
+    token, it is reused. The rest hangs below as a chain of new nodes (rank −1 for prompt lookup, −2
+    for the datastore: not the drafter's)
     with path confidence P = P_attach · Π r_d, where r_d = ``rates[d−1]`` estimates the acceptance of
     proposed token d given token d−1, and P_attach = max(the attach node's P, Π of the rates of the
     reused part). With S = the tree's S_n and n its size, the j new nodes maximising
@@ -254,11 +259,11 @@ def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], co
         idx = n0 + j - 1
         would_be_parent = parent if keep else (node if j == 1 else idx - 1)
         exp.trace.append(Decision(idx, tree.depths[node] + j, tok, would_be_parent, p, s, c, thr, keep,
-                                  "lookup: kept (raises predicted throughput)" if keep else "lookup: no gain",
-                                  source="lookup"))
+                                  f"{source}: kept (raises predicted throughput)" if keep else f"{source}: no gain",
+                                  source=source))
         if keep:
-            parent = tree.add(tok, parent, rates[i + j - 1], p, -1)
+            parent = tree.add(tok, parent, rates[i + j - 1], p, COPY_RANKS.get(source, -1))
             chain.append(parent)
     if trace:
-        exp.stop_reason += f" · lookup: {best_j} of {len(trace)} proposed nodes kept"
+        exp.stop_reason += f" · {source}: {best_j} of {len(trace)} proposed nodes kept"
     return chain

@@ -7,9 +7,10 @@ context a decoding round has — and compares with the reply:
 
 - per-depth top-1 accuracy and the mean accepted chain length (the training log's numbers, here on
   prompts the drafter never saw, so the gap to the training log measures over-fitting);
-- τ of three simulated decoders that start each round where the previous one ended: the drafter's
-  chain (DFlash), prompt lookup alone (lookup.NgramIndex), and a tree holding both (a round accepts
-  the longer of the two matches). Measured τ of ``chain`` in the benchmark should match the first.
+- τ of simulated decoders that start each round where the previous one ended: the drafter's chain
+  (DFlash), prompt lookup alone (lookup.NgramIndex), a tree holding both (a round accepts the longer
+  of the two matches), the datastore alone (datastore.Datastore, when the drafter folder has one) and
+  a tree holding all three. Measured τ of ``chain`` in the benchmark should match the first.
 
 All of it is cheap next to a benchmark (one drafter forward per 16 positions) and deterministic.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .drafter import DFlashDrafter, load_drafter
-from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_drafter, load_target
+from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
 from .lookup import NgramIndex
 from .target import Target
 
@@ -98,19 +99,28 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
     return lengths, hits
 
 
+def _matched(proposal, truth: list[int]) -> int:
+    k = 0
+    if proposal is not None:
+        while k < min(len(proposal.tokens), len(truth)) and proposal.tokens[k] == truth[k]:
+            k += 1
+    return k
+
+
+def datastore_lengths(rec: dict, datastore, max_tokens: int = 10) -> list[int]:
+    """For every anchor a: how many tokens the datastore proposes after ids[:a+1] match the reply."""
+    ids, P = rec["ids"], rec["prompt_len"]
+    return [_matched(datastore.propose(ids[max(0, a + 1 - 8):a + 1], max_tokens), ids[a + 1:a + 1 + max_tokens])
+            for a in range(P - 1, len(ids) - 1)]
+
+
 def lookup_lengths(rec: dict, max_ngram: int = 3, max_tokens: int = 10) -> list[int]:
     """For every anchor a: how many proposed tokens of prompt lookup over ids[:a+1] match the reply."""
     ids, P = rec["ids"], rec["prompt_len"]
     index = NgramIndex(ids[:P], max_ngram)
     out = []
     for a in range(P - 1, len(ids) - 1):
-        prop = index.propose(max_tokens)
-        truth = ids[a + 1:a + 1 + max_tokens]
-        k = 0
-        if prop is not None:
-            while k < min(len(prop.tokens), len(truth)) and prop.tokens[k] == truth[k]:
-                k += 1
-        out.append(k)
+        out.append(_matched(index.propose(max_tokens), ids[a + 1:a + 1 + max_tokens]))
         index.extend([ids[a + 1]])
     return out
 
@@ -124,21 +134,26 @@ def simulate_tau(accepted: list[int]) -> tuple[int, int]:
     return tokens, rounds
 
 
-def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8) -> dict:
-    """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain/lookup/both)."""
+def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None) -> dict:
+    """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain, lookup,
+    both; with a datastore also datastore and all)."""
     groups: dict[str, dict] = {}
     for rec in records:
         lengths, hits = chain_lengths(drafter, target, rec)
         looks = lookup_lengths(rec)
+        sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
+        if datastore is not None:
+            sims["datastore"] = datastore_lengths(rec, datastore)
+            sims["all"] = [max(x, y) for x, y in zip(sims["both"], sims["datastore"])]
         for name in (rec["category"], "all"):
             g = groups.setdefault(name, {"hits": [[0, 0] for _ in range(depths)], "chain": [],
-                                         "sim": {k: [0, 0] for k in ("chain", "lookup", "both")}})
+                                         "sim": {k: [0, 0] for k in sims}})
             for row in hits:
                 for d, ok in enumerate(row[:depths]):
                     g["hits"][d][0] += ok
                     g["hits"][d][1] += 1
             g["chain"] += lengths
-            for k, acc in (("chain", lengths), ("lookup", looks), ("both", [max(x, y) for x, y in zip(lengths, looks)])):
+            for k, acc in sims.items():
                 t, r = simulate_tau(acc)
                 g["sim"][k][0] += t
                 g["sim"][k][1] += r
@@ -160,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(a.model, torch.float32, "cpu")
+    datastore = load_default_datastore(target, a.drafter, a.model)
     if a.drafter is None:
         drafter = load_default_drafter(target, None, a.model)
         if drafter is None:
@@ -169,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
                                dtype=torch.float32)
     drafter = drafter.float().eval()
     records = eval_records(target, drafter.cfg.target_layer_ids, a.cache)
-    res = evaluate(drafter, target, records)
+    res = evaluate(drafter, target, records, datastore=datastore)
     if a.json:
         print(json.dumps(res))
         return 0
-    print("| prompts | acc depth 1–8 | chain length | τ chain | τ lookup | τ both |\n|---|---|---:|---:|---:|---:|")
+    sims = list(res["all"]["tau"])
+    print(f"| prompts | acc depth 1–8 | chain length | {' | '.join(f'τ {k}' for k in sims)} |\n"
+          f"|---|---|---:|{'---:|' * len(sims)}")
     for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
         print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
-              f"{r['tau']['chain']:.2f} | {r['tau']['lookup']:.2f} | {r['tau']['both']:.2f} |")
+              + " | ".join(f"{r['tau'][k]:.2f}" for k in sims) + " |")
     return 0
 
 

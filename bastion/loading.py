@@ -51,6 +51,20 @@ def load_default_drafter(target: Target, drafter: str | None, model: str) -> DFl
                         dtype=target.dtype, device=target.device)
 
 
+def load_default_datastore(target: Target, drafter: str | None, model: str):
+    """The datastore stored beside a local drafter folder (the shipped one for the embedded model), or
+    None when there is none (hub drafters, drafter folders without ``datastore.safetensors``)."""
+    from .datastore import FILE, Datastore
+
+    if drafter is None:
+        folder = DEFAULT_DRAFTER if model == EMBEDDED else None
+    else:
+        folder = Path(drafter) if Path(drafter).is_dir() else None
+    if folder is None or not (folder / FILE).is_file():
+        return None
+    return Datastore.load(folder, target.vocab_size)
+
+
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """Token ids of the prompt: the chat template (with the assistant turn opened) unless raw."""
     if not isinstance(prompt, str) or not prompt.strip():

@@ -107,3 +107,54 @@ class LookupStats:
             k = self._key(ngram, d)
             self.tries[k] = self.tries.get(k, 0.0) + 1.0
             self.hits[k] = self.hits.get(k, 0.0) + (1.0 if node in accepted else 0.0)
+
+
+@dataclass
+class Sourced:
+    """One copy source's proposal in one round: ``source`` names it ("lookup" or "datastore"),
+    ``rates`` are its estimated r_d, ``chain`` the tree nodes that carry its tokens once merged."""
+
+    source: str
+    proposal: Proposal
+    rates: list[float]
+    chain: list[int] = field(default_factory=list)
+
+
+class CopySources:
+    """A request's copy-based draft sources beside the drafter: prompt lookup over its own tokens
+    (:class:`NgramIndex`) and, when given, a datastore of the target's earlier replies
+    (``bastion.datastore``). Each proposes a continuation of the committed tokens every round, is
+    merged into the tree by ``expansion.extend_with_lookup`` and learns its own rates r(n, d).
+
+    ``stats`` maps a source name to its :class:`LookupStats`; a source without stats is off.
+    """
+
+    CONTEXT = 8  # committed tokens kept for datastore queries (its n-grams are shorter)
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, stats: dict[str, LookupStats],
+                 lookup_ngram: int = 3, datastore=None):
+        self.stats = stats
+        self.index = NgramIndex(prompt_ids, lookup_ngram) if "lookup" in stats else None
+        self.datastore = datastore if "datastore" in stats else None
+        self.recent = list(prompt_ids[-self.CONTEXT:])
+        self.max_tokens = max_tokens
+
+    def propose(self) -> list[Sourced]:
+        """This round's proposals (prompt lookup first), each with its current rates."""
+        found = []
+        if self.index is not None:
+            found.append(("lookup", self.index.propose(self.max_tokens)))
+        if self.datastore is not None:
+            found.append(("datastore", self.datastore.propose(self.recent, self.max_tokens)))
+        return [Sourced(name, p, self.stats[name].rates(p)) for name, p in found if p is not None]
+
+    def observe(self, parents: list[int], proposals: list[Sourced], accepted: list[int]) -> None:
+        """After verification: each proposed token whose parent was accepted counts as one try."""
+        on_path = set(accepted)
+        for s in proposals:
+            self.stats[s.source].observe(s.proposal.ngram, s.chain, [parents[v] in on_path for v in s.chain], on_path)
+
+    def extend(self, new: list[int]) -> None:
+        if self.index is not None:
+            self.index.extend(new)
+        self.recent = (self.recent + [int(t) for t in new])[-self.CONTEXT:]

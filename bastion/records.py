@@ -57,6 +57,8 @@ class Step:
     lookup_tokens: list[int] = field(default_factory=list)  # this round's prompt-lookup proposal (may be unused)
     lookup_rates: list[float] = field(default_factory=list)  # its estimated per-token acceptance rates r_d
     rows: int = 0                # rows the target verified: the tree plus padding (0: a record made before padding)
+    datastore_tokens: list[int] = field(default_factory=list)  # this round's datastore proposal (may be unused)
+    datastore_rates: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
@@ -71,7 +73,9 @@ class Step:
                  elapsed_s=round(self.elapsed_s, 6), prefill_s=round(self.prefill_s, 6),
                  draft_logq=[[round(v, 4) for v in row] for row in self.draft_logq],
                  draft_ids=[list(row) for row in self.draft_ids], lookup_tokens=list(self.lookup_tokens),
-                 lookup_rates=[round(r, 5) for r in self.lookup_rates])
+                 lookup_rates=[round(r, 5) for r in self.lookup_rates],
+                 datastore_tokens=list(self.datastore_tokens),
+                 datastore_rates=[round(r, 5) for r in self.datastore_rates])
         return d
 
     @classmethod
@@ -90,6 +94,8 @@ class Step:
             draft_ids=[[int(v) for v in row] for row in d.get("draft_ids", [])],
             lookup_tokens=[int(v) for v in d.get("lookup_tokens", [])],
             lookup_rates=[float(v) for v in d.get("lookup_rates", [])], rows=int(d.get("rows", 0)),
+            datastore_tokens=[int(v) for v in d.get("datastore_tokens", [])],
+            datastore_rates=[float(v) for v in d.get("datastore_rates", [])],
             finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
 
 

@@ -25,7 +25,8 @@ class DraftTree:
         path_probs: P(v) = product along the path from the root of the confidences the tree was built
                     from: the marginals, or their calibrated g(q) (calibration.py); 1.0 for the root.
         ranks:      rank of the token among the drafter's top-K at its depth (0 for the root; −1 for a
-                    node proposed by prompt lookup, whose marginal is then the lookup's rate r).
+                    node proposed by prompt lookup, −2 for one from the datastore, whose marginal is
+                    then that source's rate r).
     """
 
     tokens: list[int] = field(default_factory=list)

@@ -173,26 +173,30 @@ def test_latency_figure_draws_curves_and_marks_round():
     assert fig.layout.yaxis2.type == "log"
 
 
-def test_lookup_nodes_are_squares_with_their_own_hover_and_gain_series():
+def test_copied_nodes_are_squares_with_their_own_hover_and_gain_series():
     step = make_step(PARENTS, ACCEPTED)
     n = len(PARENTS)
     last = n - 1
-    step["tree"]["ranks"][last] = -1  # the last node came from prompt lookup
-    step["trace"] = [d for d in step["trace"] if d["node"] != last] + [
+    step["tree"]["ranks"][last] = -1  # the last node came from prompt lookup ...
+    step["tree"]["ranks"][last - 1] = -2  # ... the one before from the datastore
+    step["trace"] = [d for d in step["trace"] if d["node"] not in (last - 1, last)] + [
+        {"node": last - 1, "depth": 1, "token": 10 + last - 1, "parent": PARENTS[last - 1], "p": 0.5, "expected": 2.9,
+         "cost": 0.019, "throughput": 51.0, "added": True, "reason": "datastore: kept (raises predicted throughput)",
+         "source": "datastore"},
         {"node": last, "depth": 1, "token": 10 + last, "parent": PARENTS[last], "p": 0.4, "expected": 3.0,
          "cost": 0.02, "throughput": 50.0, "added": True, "reason": "lookup: kept (raises predicted throughput)", "source": "lookup"},
         {"node": last + 1, "depth": 2, "token": 5, "parent": last, "p": 0.1, "expected": 3.1,
          "cost": 0.021, "throughput": 49.0, "added": False, "reason": "lookup: no gain", "source": "lookup"}]
     fig = figures.tree_figure(step)
     symbols = [sym for t in fig.data if t.mode == "markers+text" for sym in t.marker.symbol]
-    assert symbols.count("square") == 1 and "1 nodes from prompt lookup" in fig.layout.title.text
+    assert symbols.count("square") == 2 and "2 nodes from prompt lookup or the datastore" in fig.layout.title.text
     hovers = [h for t in fig.data if t.mode == "markers+text" for h in t.hovertext]
-    assert sum("prompt lookup" in h for h in hovers) == 1
+    assert sum("prompt lookup" in h for h in hovers) == 1 and sum("datastore:" in h for h in hovers) == 1
     pts = figures.gain_cost_points(step)
-    assert pts["lookup"]["n"] == [last + 1, last + 2] and pts["lookup"]["added"] == [True, False]
-    assert last + 1 not in pts["n"]  # the drafter's curve keeps its own points only
+    assert pts["lookup"]["n"] == [last, last + 1, last + 2] and pts["lookup"]["added"] == [True, True, False]
+    assert last + 1 not in pts["n"] and last not in pts["n"]  # the drafter's curve keeps its own points only
     names = [t.name for t in figures.gain_cost_figure(step).data]
-    assert "S_n with lookup nodes" in names
+    assert "S_n with copied nodes (lookup, datastore)" in names
 
 
 def test_calibration_figure_plots_observed_rates_and_fitted_curves():

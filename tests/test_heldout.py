@@ -40,3 +40,20 @@ def test_teacher_forced_chain_equals_the_engines_chain_rounds():
     res = evaluate(drafter, target, [rec], depths=3)
     assert set(res) == {"x", "all"} and len(res["all"]["acc"]) == 3
     assert res["all"]["tau"]["both"] >= max(res["all"]["tau"]["chain"], res["all"]["tau"]["lookup"]) - 1e-9
+    assert set(res["all"]["tau"]) == {"chain", "lookup", "both"}
+    from bastion.datastore import Datastore
+
+    ds = Datastore.from_sequences([ids[2:]], target.vocab_size)  # knows this very reply
+    res = evaluate(drafter, target, [rec], depths=3, datastore=ds)
+    tau = res["all"]["tau"]
+    assert tau["datastore"] > tau["chain"] + 0.5 and tau["all"] >= max(tau["both"], tau["datastore"]) - 1e-9
+
+
+def test_datastore_lengths_count_matching_proposed_tokens():
+    from bastion.datastore import Datastore
+    from bastion.heldout import datastore_lengths
+
+    rec = {"ids": [9, 9, 1, 2, 3, 4, 8], "prompt_len": 3}
+    ds = Datastore.from_sequences([[0, 1, 2, 3, 4, 5]] * 2, 10, ngrams=(1,))  # twice: the walk needs agreement
+    # anchor 2 (token 1): proposes 2 3 4 5, the reply goes 2 3 4 8 → 3; then 3 4 5 vs 3 4 8 → 2; ...
+    assert datastore_lengths(rec, ds, max_tokens=4) == [3, 2, 1, 0]

@@ -1,0 +1,190 @@
+"""A retrieval datastore as a third draft source: what the target itself wrote after the same words.
+
+Prompt lookup (lookup.py) copies from the request's own context. A small instruct model also
+repeats itself *across* requests: stock openings ("Here is a Python function that"), list
+scaffolding, the way it phrases a step of arithmetic. Retrieval-based speculative decoding (REST,
+He et al. 2023) drafts those from a datastore of text. Ours holds the target's own greedy replies
+to the drafter's training prompts (``python -m bastion.train data``), so it shares the drafter's
+data and never the evaluation prompts.
+
+Index: for each n in ``ngrams`` the n-grams of the flat token array are hashed to int64 and sorted
+(stable, so equal hashes keep text order), and a query is a binary search. A proposal follows every
+occurrence of the longest matching context suffix (the latest ``cap`` of them) and walks their
+continuations greedily by frequency: token d is the most common next token among the occurrences
+that agreed on tokens 1..d−1, kept while it holds at least ``min_share`` of them. Sequences are
+separated by −1, which no context contains, so continuations never run into the next reply.
+Teacher-forced on the 30 eval prompts (run-5 drafter, trigrams): τ of the drafter's chain with
+prompt lookup 1.94, with this datastore as well 2.25.
+
+Stored as ``datastore.safetensors`` beside the drafter's weights: the tokens as int16 (offset by
+2^15 − 1, so the separator and a vocabulary up to 65,535 fit) and the target's vocabulary size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .lookup import Proposal
+
+FILE = "datastore.safetensors"
+_OFFSET = (1 << 15) - 1  # int16 holds t − _OFFSET for t in [−1, 65535)
+
+
+class Datastore:
+    """n-gram index over a token corpus; :meth:`propose` drafts a continuation of a context."""
+
+    def __init__(self, tokens: torch.Tensor, vocab_size: int, ngrams: tuple[int, ...] = (3, 2),
+                 cap: int = 256, min_share: float = 0.3):
+        if tokens.dim() != 1:
+            raise ValueError(f"datastore tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if not ngrams or min(ngrams) < 1:
+            raise ValueError(f"ngrams must be positive lengths, got {ngrams}")
+        bad = (tokens < -1) | (tokens >= vocab_size)
+        if bool(bad.any()):
+            raise ValueError(f"datastore token {int(tokens[bad][0])} is outside the vocabulary of {vocab_size}")
+        self.tokens = tokens.to(torch.long).contiguous()
+        self.vocab_size = int(vocab_size)
+        self.ngrams = tuple(sorted(set(ngrams), reverse=True))
+        self.cap, self.min_share = cap, min_share
+        self._index = {n: self._build(n) for n in self.ngrams}
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], vocab_size: int, **kw) -> "Datastore":
+        flat: list[int] = []
+        for seq in sequences:
+            flat.extend(int(t) for t in seq)
+            flat.append(-1)
+        return cls(torch.tensor(flat, dtype=torch.long), vocab_size, **kw)
+
+    def _hash(self, grams: torch.Tensor) -> torch.Tensor:
+        """[..., n] token ids (−1 allowed) → int64 hashes; exact (no collisions) for n·log2(V+1) < 63."""
+        h = torch.zeros(grams.shape[:-1], dtype=torch.long)
+        for j in range(grams.shape[-1]):
+            h = h * (self.vocab_size + 1) + (grams[..., j] + 1)
+        return h
+
+    def _build(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted hashes, end positions): the n-gram ending at position e is tokens[e−n+1..e]."""
+        if (self.vocab_size + 1) ** n >= 2 ** 62:
+            raise ValueError(f"{n}-grams of a {self.vocab_size}-token vocabulary do not fit a 64-bit hash")
+        if self.tokens.numel() < n + 1:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        grams = self.tokens[:-1].unfold(0, n, 1)  # every n-gram that has a token after it
+        ends = torch.arange(n - 1, self.tokens.numel() - 1)
+        # n-grams across a separator never match a context; one that ends a reply has no continuation
+        keep = (grams >= 0).all(-1) & (self.tokens[n:] >= 0)
+        h, order = torch.sort(self._hash(grams[keep]), stable=True)
+        return h, ends[keep][order]
+
+    # ----------------------------------------------------------------- drafting
+    def propose(self, context: list[int], max_tokens: int) -> Proposal | None:
+        """Continuation of ``context`` (its last max(ngrams) tokens matter) by the longest matching
+        suffix, walked by frequency; None when no suffix occurs or nothing is agreed on."""
+        if max_tokens < 1:
+            return None
+        for n in self.ngrams:
+            if len(context) < n:
+                continue
+            hashes, ends = self._index[n]
+            key = self._hash(torch.tensor(context[-n:], dtype=torch.long))
+            lo = int(torch.searchsorted(hashes, key))
+            hi = int(torch.searchsorted(hashes, key, right=True))
+            if hi == lo:
+                continue
+            starts = ends[max(lo, hi - self.cap):hi] + 1  # the latest occurrences
+            span = torch.arange(max_tokens)
+            cont = self.tokens[(starts[:, None] + span).clamp(max=self.tokens.numel() - 1)]
+            out = self._walk(cont)
+            if out:
+                return Proposal(out, n)
+        return None
+
+    def _walk(self, cont: torch.Tensor) -> list[int]:
+        """Greedy frequency walk over continuations [m, k]: keep the agreeing rows at each depth."""
+        out: list[int] = []
+        live = cont
+        for d in range(cont.shape[1]):
+            col = live[:, d]
+            col = col[col >= 0]  # a continuation that reached its reply's end votes for nothing
+            if col.numel() == 0:
+                break
+            values, counts = torch.unique(col, return_counts=True)
+            best = int(counts.argmax())
+            if d > 0 and (int(counts[best]) < 2 or int(counts[best]) < self.min_share * live.shape[0]):
+                break  # past the first token, follow only a continuation several occurrences agree on
+            tok = int(values[best])
+            out.append(tok)
+            live = live[live[:, d] == tok]
+        return out
+
+    # ----------------------------------------------------------------- persistence
+    def save(self, folder: str | Path) -> Path:
+        """Write ``folder/datastore.safetensors`` (atomically: a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        if self.vocab_size > 2 * _OFFSET + 1:
+            raise ValueError(f"a vocabulary of {self.vocab_size} does not fit the int16 file format")
+        path = Path(folder) / FILE
+        tmp = path.with_suffix(".tmp")
+        save_file({"tokens": (self.tokens - _OFFSET).to(torch.int16),
+                   "vocab_size": torch.tensor([self.vocab_size], dtype=torch.long)}, str(tmp),
+                  metadata={"format": "bastion datastore v1", "ngrams": ",".join(map(str, self.ngrams))})
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path, vocab_size: int, **kw) -> "Datastore":
+        """Read ``folder/datastore.safetensors``; the target's vocabulary must be the one it was built for."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(folder) / FILE
+        try:
+            data = load_file(str(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no datastore at {path}") from None
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
+        if "tokens" not in data or "vocab_size" not in data:
+            raise ValueError(f"{path} lacks the tensors 'tokens' and 'vocab_size'")
+        stored = int(data["vocab_size"][0])
+        if stored != vocab_size:
+            raise ValueError(f"{path} was built for a vocabulary of {stored} tokens; the target has {vocab_size}")
+        return cls(data["tokens"].to(torch.long) + _OFFSET, stored, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bastion.datastore --data DIR [--data DIR2] --out FOLDER``: build from training shards."""
+    import argparse
+    import sys
+
+    from .train import load_shards
+
+    ap = argparse.ArgumentParser(prog="python -m bastion.datastore", description=main.__doc__)
+    ap.add_argument("--data", type=Path, action="append", required=True,
+                    help="a folder of shards from `python -m bastion.train data` (repeatable)")
+    ap.add_argument("--out", type=Path, required=True, help="folder to write datastore.safetensors into "
+                                                            "(the drafter's folder, so it is found with it)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="the target's vocabulary (default: from --out's config.json)")
+    a = ap.parse_args(argv)
+    try:
+        vocab = a.vocab_size
+        if vocab is None:
+            import json
+
+            vocab = int(json.loads((a.out / "config.json").read_text())["vocab_size"])
+        records = load_shards(a.data)
+        seqs = [r["ids"].tolist() if hasattr(r["ids"], "tolist") else list(r["ids"]) for r in records]
+        path = Datastore.from_sequences(seqs, vocab).save(a.out)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {path.stat().st_size / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

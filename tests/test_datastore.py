@@ -1,0 +1,143 @@
+"""The retrieval datastore: proposals against a brute-force scan, persistence, bad files, the engine."""
+
+import collections
+import random
+
+import pytest
+import torch
+
+from bastion.datastore import FILE, Datastore
+from bastion.engine import Engine, GenerationConfig
+from tiny import tiny_drafter, tiny_target
+
+
+def brute_force(seqs, context, ngrams, max_tokens, cap, min_share):
+    """The documented rule, written as plainly as possible: longest suffix with an occurrence, its
+    latest ``cap`` occurrences, then the frequency walk."""
+    for n in sorted(ngrams, reverse=True):
+        if len(context) < n:
+            continue
+        key = tuple(context[-n:])
+        occ = [(si, e + 1) for si, s in enumerate(seqs) for e in range(n - 1, len(s) - 1) if tuple(s[e - n + 1:e + 1]) == key]
+        if not occ:
+            continue
+        live = occ[-cap:]
+        out = []
+        for d in range(max_tokens):
+            votes = collections.Counter(seqs[si][j + d] for si, j in live if j + d < len(seqs[si]))
+            if not votes:
+                break
+            top = max(votes.values())
+            tok = min(t for t, c in votes.items() if c == top)  # ties: the smallest id (torch.unique sorts)
+            if d > 0 and (top < 2 or top < min_share * len(live)):
+                break
+            out.append(tok)
+            live = [(si, j) for si, j in live if j + d < len(seqs[si]) and seqs[si][j + d] == tok]
+        if out:
+            return out, n
+    return None
+
+
+def test_proposals_match_a_brute_force_scan():
+    rng = random.Random(0)
+    for trial in range(150):
+        vocab = rng.choice([3, 5, 9])
+        seqs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(rng.randint(1, 6))]
+        kw = dict(ngrams=rng.choice([(3, 2), (2,), (4, 2, 1)]), cap=rng.choice([2, 5, 256]),
+                  min_share=rng.choice([0.0, 0.3, 0.6]))
+        ds = Datastore.from_sequences(seqs, vocab, **kw)
+        for _ in range(10):
+            context = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            k = rng.randint(1, 8)
+            got = ds.propose(context, k)
+            want = brute_force(seqs, context, kw["ngrams"], k, kw["cap"], kw["min_share"])
+            assert (got.tokens, got.ngram) == want if want else got is None, (trial, seqs, context, kw)
+
+
+def test_walk_follows_the_majority_and_stops_at_reply_ends():
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7, 8], [9, 2, 3]]
+    ds = Datastore.from_sequences(seqs, 10, ngrams=(2,), min_share=0.5)
+    p = ds.propose([0, 2, 3], 5)
+    # after "2 3": 4 (twice), 7 (once), and the end of the last reply (no vote); then 5 and 6 split 1:1
+    assert p.tokens == [4] and p.ngram == 2
+    assert Datastore.from_sequences(seqs, 10, ngrams=(2,), min_share=0.0).propose([2, 3], 5).tokens == [4]
+    assert ds.propose([5, 5], 3) is None  # no occurrence
+    assert ds.propose([2, 3], 0) is None
+    one = Datastore.from_sequences([[1, 2, 3]], 10, ngrams=(2,))
+    assert one.propose([1, 2], 5).tokens == [3]  # never runs past the reply's end into the separator
+
+
+def test_save_and_load_round_trip_and_bad_files(tmp_path):
+    ds = Datastore.from_sequences([[0, 49151, 7], [5, 5, 5, 5]], 49152)
+    ds.save(tmp_path)
+    back = Datastore.load(tmp_path, 49152)
+    assert torch.equal(back.tokens, ds.tokens) and back.vocab_size == 49152
+    assert back.propose([5, 5], 3).tokens == ds.propose([5, 5], 3).tokens == [5]
+    with pytest.raises(ValueError, match="vocabulary of 49152 tokens; the target has 100"):
+        Datastore.load(tmp_path, 100)
+    with pytest.raises(FileNotFoundError, match="no datastore"):
+        Datastore.load(tmp_path / "missing", 49152)
+    (tmp_path / FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        Datastore.load(tmp_path, 49152)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Datastore.from_sequences([[1, 2, 10]], 10)
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic save left nothing behind
+
+
+def test_default_datastore_is_found_beside_a_drafter_folder(tmp_path):
+    from bastion.loading import load_default_datastore
+
+    target = tiny_target("llama")
+    assert load_default_datastore(target, str(tmp_path), "some/model") is None  # a folder without one
+    assert load_default_datastore(target, "owner/hub-drafter", "some/model") is None
+    Datastore.from_sequences([[1, 2, 3]], target.vocab_size).save(tmp_path)
+    assert load_default_datastore(target, str(tmp_path), "some/model").vocab_size == target.vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(target, None, datastore=Datastore.from_sequences([[1]], target.vocab_size + 1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_a_datastore_is_lossless_and_accepts_retrieved_tokens(temperature):
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7, 11]
+    cfg = dict(max_new_tokens=40, temperature=temperature, seed=5, lookup=False)
+    plain = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    ref = plain.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
+    # the datastore holds another reply of the target that shares this one's text
+    ds = Datastore.from_sequences([[1, 2] + ref], target.vocab_size)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set(), datastore=ds)
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", **cfg)))
+    assert [t for s in steps for t in s.tokens] == ref
+    off = list(engine.generate(prompt, GenerationConfig(strategy="bastion", datastore=False, **cfg)))
+    assert [t for s in off for t in s.tokens] == ref
+    assert all(-2 not in s.tree.ranks for s in off) and not any(s.datastore_tokens for s in off)
+    retrieved = [s for s in steps if -2 in s.tree.ranks]
+    assert retrieved and all(s.datastore_tokens and s.datastore_rates for s in retrieved)
+    assert any(d.source == "datastore" for s in steps for d in s.trace)
+    if temperature == 0.0:  # a random drafter accepts ~nothing; the datastore's copies do
+        assert sum(1 for s in steps for v in s.accepted[1:] if s.tree.ranks[v] == -2) >= 5
+        assert len(steps) < len(off)
+    for s in steps:  # the records replay
+        from bastion.records import Step
+
+        back = Step.from_dict(s.to_dict())
+        assert back.datastore_tokens == s.datastore_tokens and back.tree.ranks == s.tree.ranks
+
+
+def test_build_command_writes_the_datastore_from_training_shards(tmp_path, capsys):
+    from bastion.datastore import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.save([{"ids": torch.tensor([1, 2, 3, 4]), "prompt_len": 2}, {"ids": torch.tensor([1, 2, 3, 5])}],
+               data / "shard_00000.pt")
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text('{"vocab_size": 10}')
+    assert main(["--data", str(data), "--out", str(out)]) == 0
+    assert "2 sequences, 8 tokens" in capsys.readouterr().out
+    ds = Datastore.load(out, 10)
+    assert ds.propose([1, 2], 3).tokens == [3]  # then 4 and 5 split: the walk stops
+    assert main(["--data", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "no shards" in capsys.readouterr().err
