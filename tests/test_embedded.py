@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.loading import DEFAULT_DRAFTER, EMBEDDED, encode_prompt, load_default_drafter, load_target
+from bastion.loading import (DEFAULT_DRAFTER, EMBEDDED, encode_prompt, load_default_datastore, load_default_drafter,
+                             load_target)
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +15,9 @@ def engine():
     target = load_target(EMBEDDED, torch.float32, "cpu", progress=None)
     drafter = load_default_drafter(target, None, EMBEDDED)
     assert drafter is not None, f"the shipped drafter is missing from {DEFAULT_DRAFTER}"
-    return Engine(target, drafter, kernels="torch")
+    datastore = load_default_datastore(target, None, EMBEDDED)
+    assert datastore is not None, f"the shipped datastore is missing from {DEFAULT_DRAFTER}"
+    return Engine(target, drafter, kernels="torch", datastore=datastore)
 
 
 @pytest.mark.parametrize("prompt", ["Explain why the sky is blue.",
@@ -25,7 +28,9 @@ def test_shipped_drafter_accepts_and_is_lossless(engine, prompt):
     ids = encode_prompt(engine.target.tokenizer, prompt)
     ar = engine.run(ids, GenerationConfig(strategy="ar", max_new_tokens=48))
     fixed = engine.run(ids, GenerationConfig(strategy="fixed", budget=16, max_new_tokens=48))
-    adaptive = engine.run(ids, GenerationConfig(strategy="bastion", max_new_tokens=48))
+    steps = list(engine.generate(ids, GenerationConfig(strategy="bastion", max_new_tokens=48)))
+    adaptive = engine.summarize(steps, len(ids))
     assert fixed.token_ids == ar.token_ids and adaptive.token_ids == ar.token_ids
+    assert any(s.datastore_tokens for s in steps)  # the shipped datastore proposes on real text
     assert fixed.tau > 1.5, fixed.tau
     assert adaptive.tau > 1.2, adaptive.tau
