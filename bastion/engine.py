@@ -309,7 +309,8 @@ class Engine:
         device = target.device
         t_prefill = time.perf_counter()
         prefill = target.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long, device=device))
-        dcache = drafter.new_cache() if drafter is not None else None
+        # AR never drafts: it must not pay for keeping the drafter's context cache (a fair baseline)
+        dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" else None
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
