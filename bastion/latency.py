@@ -301,23 +301,26 @@ class RowPadding:
         t_eff(n) = min_{m ≥ n} t(m),   padded(n) = the m that attains it,
 
     which is what the roofline C(n) can fit and what the budget rule should price. Measurements are
-    noisy, so padded(n) is the *smallest* m ≥ n within ``margin`` of that minimum,
-    t(m) ≤ (1 + margin)·min_{k ≥ n} t(k): rows are added only for a real saving. t_eff then rises
-    with n up to the same margin. ``padded[n − 1]`` is the row count for n nodes, n ≤ len(padded);
-    larger trees run as they are.
+    noisy, so two guards: padded(n) is the *smallest* m within ``margin`` of the cheapest candidate,
+    t(m) ≤ (1 + margin)·min t, so rows are added only for a real saving; and candidates lie within
+    ``max_extra`` rows of n (the shape effects seen are one to three rows wide), so a count timed
+    during a burst of other work cannot make small trees pay for many dummy rows. Without the second
+    guard t_eff rises with n up to the margin; with it, nearly so. ``padded[n − 1]`` is the row count
+    for n nodes, n ≤ len(padded); larger trees run as they are.
     """
 
     padded: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # the measured t(m), m = 1..len
 
     @classmethod
-    def from_times(cls, seconds: list[float], margin: float = 0.03) -> "RowPadding":
+    def from_times(cls, seconds: list[float], margin: float = 0.03, max_extra: int = 3) -> "RowPadding":
         """seconds[m − 1] = measured verify time of m rows, m = 1..M."""
-        best = list(seconds)
-        for i in range(len(best) - 2, -1, -1):  # best[n − 1] = min over k ≥ n of t(k)
-            best[i] = min(best[i], best[i + 1])
-        padded = [next(m for m in range(n, len(seconds) + 1) if seconds[m - 1] <= (1.0 + margin) * best[n - 1])
-                  for n in range(1, len(seconds) + 1)]
+        M = len(seconds)
+        padded = []
+        for n in range(1, M + 1):
+            window = range(n, min(M, n + max_extra) + 1)
+            best = min(seconds[m - 1] for m in window)
+            padded.append(next(m for m in window if seconds[m - 1] <= (1.0 + margin) * best))
         return cls(padded, [float(s) for s in seconds])
 
     def rows(self, n: int) -> int:

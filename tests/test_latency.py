@@ -92,22 +92,22 @@ def test_rounds_without_a_draft_leave_the_draft_time_alone():
     assert abs(lm.draft_s - 0.024) < 1e-9
 
 
-def test_row_padding_is_the_monotone_envelope_of_measured_costs():
+def test_row_padding_takes_the_cheapest_nearby_row_count():
     from bastion.latency import RowPadding
 
     rng = random.Random(3)
     for trial in range(200):
         m = rng.randint(1, 24)
         t = [rng.uniform(0.5, 2.0) + 0.02 * i for i in range(m)]  # bumpy, rising slowly
-        margin = rng.choice([0.0, 0.03, 0.1])
-        pad = RowPadding.from_times(t, margin)
+        margin, extra = rng.choice([0.0, 0.03, 0.1]), rng.choice([0, 1, 3, 100])
+        pad = RowPadding.from_times(t, margin, extra)
         for n in range(1, m + 1):
             r = pad.rows(n)
-            assert n <= r <= m and t[r - 1] <= t[n - 1]  # never more expensive than running n rows
-            best = min(t[n - 1:])
-            assert t[r - 1] <= best * (1.0 + margin) + 1e-12  # within the margin of the cheapest count ≥ n
+            assert n <= r <= min(m, n + extra) and t[r - 1] <= t[n - 1]  # never dearer than n rows
+            best = min(t[n - 1:n + extra])
+            assert t[r - 1] <= best * (1.0 + margin) + 1e-12  # within the margin of the cheapest candidate
             assert all(t[k - 1] > best * (1.0 + margin) for k in range(n, r))  # and the fewest rows that are
-            if n < m:  # effective cost rises with n, up to the margin
+            if n < m and extra >= m:  # unbounded: the effective cost rises with n, up to the margin
                 assert t[r - 1] <= t[pad.rows(n + 1) - 1] * (1.0 + margin) + 1e-12
         assert pad.rows(m + 5) == m + 5 and pad.rows(0) == 0
     # the case seen on a 2-core CPU (ms for 1..8 rows): 2–4 rows run as 5, 6–7 as 8
@@ -115,3 +115,5 @@ def test_row_padding_is_the_monotone_envelope_of_measured_costs():
     assert pad.padded == [1, 5, 5, 5, 5, 8, 8, 8]
     pad = RowPadding.from_times([1.0, 0.99, 2.0])  # 1% cheaper is within the default 3% margin: no padding
     assert pad.padded == [1, 2, 3]
+    pad = RowPadding.from_times([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.5])  # a fluke far away is out of reach
+    assert pad.padded == [1, 2, 3, 7, 7, 7, 7]

@@ -165,7 +165,7 @@ def test_row_padding_keeps_every_strategy_lossless():
     engine = Engine(target, drafter, kernels="torch", stop_ids=set())
     ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=20)).token_ids
     # a made-up cost table under which every tree is padded to a multiple of 8 rows
-    engine.padding = RowPadding.from_times([1.0 + 0.1 * (n % 8) for n in range(1, 49)], 0.0)
+    engine.padding = RowPadding.from_times([1.0 + 0.1 * (n % 8) for n in range(1, 49)], 0.0, max_extra=7)
     padded_rounds = 0
     for strategy, kw in STRATS + [("ar", {})]:
         steps = list(engine.generate(prompt, GenerationConfig(strategy=strategy, max_new_tokens=20, **kw)))
