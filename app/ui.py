@@ -20,9 +20,10 @@ from .handlers import VIEW_FIELDS, Handlers
 TITLE = "Bastion: budget-aware tree speculative decoding"
 INTRO = (f"# {TITLE}\nA block-diffusion drafter proposes per-depth marginals; a draft tree grows best-first and "
          "stops where one more node would lower predicted throughput S_n / (T_d + T_o + C(n)), with C(n) from an "
-         "online-calibrated roofline; Bastion also hangs a prompt-lookup branch (squares: tokens copied from "
-         "the context) on the tree when it pays. The target verifies the whole tree in one forward and the "
-         "output stays exactly the target's (lossless).")
+         "online-calibrated roofline; Bastion also hangs copied branches on the tree when they pay (squares: "
+         "prompt lookup copies from the context, the datastore from what the model wrote after the same words "
+         "in other replies). The target verifies the whole tree in one forward and the output stays exactly "
+         "the target's (lossless).")
 MAX_UPLOAD = "20mb"
 
 
