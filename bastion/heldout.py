@@ -27,7 +27,7 @@ import torch
 
 from .drafter import DFlashDrafter, load_drafter
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
-from .lookup import NgramIndex
+from .lookup import CopySources, NgramIndex
 from .target import Target
 
 
@@ -110,7 +110,8 @@ def _matched(proposal, truth: list[int]) -> int:
 def datastore_lengths(rec: dict, datastore, max_tokens: int = 10) -> list[int]:
     """For every anchor a: how many tokens the datastore proposes after ids[:a+1] match the reply."""
     ids, P = rec["ids"], rec["prompt_len"]
-    return [_matched(datastore.propose(ids[max(0, a + 1 - 8):a + 1], max_tokens), ids[a + 1:a + 1 + max_tokens])
+    ctx = CopySources.CONTEXT  # the engine's datastore queries see this many committed tokens
+    return [_matched(datastore.propose(ids[max(0, a + 1 - ctx):a + 1], max_tokens), ids[a + 1:a + 1 + max_tokens])
             for a in range(P - 1, len(ids) - 1)]
 
 
