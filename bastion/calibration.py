@@ -17,6 +17,14 @@ sits at (q̄_b, ĝ_b) with ĝ_b = (hits_b + k·q̄_b) / (tries_b + k), a prior o
 at the identity, so an empty calibrator is exactly g(q) = q; pool-adjacent-violators makes the
 knots non-decreasing and counts decay geometrically so the fit follows the current request.
 
+Per-node calibration is not the whole story: a tree's S_n sums *products* of g along paths, and
+acceptances along a path are not independent given q alone. At T = 1 the embedded drafter's trees
+predicted 0.78 accepted draft tokens a round and accepted 0.54 (at T = 0: 1.46 and 1.34). So the
+calibrator also learns one path scale κ = (accepted drafter nodes + k) / (Σ_v P(v) + k) over the
+drafter's nodes of recent trees, where P(v) = Π g(q_u, d_u) along v's path under the current per-node
+fit (decayed like the counts; k = ``path_prior``), and multiplies depth 1's g by κ (at most 1). Every path passes through exactly one depth-1 node, so this scales every
+P(v), hence S_n − 1, by κ and leaves the order of candidates unchanged.
+
 g is non-decreasing in q and ≤ 1, so sibling order (descending q) and "a child never beats its
 parent" both survive: best-first expansion stays exact under the calibrated surrogate
 P(v) = Π g(q_i, d_i). Calibration only changes which tree is verified, never what is accepted,
@@ -25,6 +33,7 @@ so decoding stays lossless.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +70,9 @@ class AcceptanceCalibrator:
     prior: float = 4.0
     decay: float = 0.995
     grid: int = 512
+    path_prior: float = 4.0
+    path_hits: float = 0.0    # decayed Σ accepted drafter nodes per tree
+    path_pred: float = 0.0    # decayed Σ of their P(v) = Π g along the path (per-node fit, no scale)
     hits: torch.Tensor = field(default=None)   # [G, bins] decayed accepted counts
     tries: torch.Tensor = field(default=None)  # [G, bins] decayed tested counts
     qsum: torch.Tensor = field(default=None)   # [G, bins] decayed Σ q of tested nodes
@@ -89,6 +101,19 @@ class AcceptanceCalibrator:
         self.hits.mul_(self.decay)
         self.tries.mul_(self.decay)
         self.qsum.mul_(self.decay)
+        # the path scale, from this tree's path products under the per-node fit before this update
+        # (whatever surrogate built the tree)
+        mine = [i for i in range(1, len(tree)) if tree.ranks[i] >= 0]
+        if mine:
+            if self._table is None:
+                self._table = self._build_table()
+            logp = [0.0] * len(tree)
+            for i in mine:  # parents come before children, and a drafter node's parent is the root or one
+                q = min(max(raw_marginals[i], 0.0), 1.0)
+                cell = self._table[self.group(tree.depths[i]), min(round(q * (self.grid - 1)), self.grid - 1)]
+                logp[i] = logp[tree.parents[i]] + float(cell)
+            self.path_pred = self.decay * self.path_pred + sum(math.exp(logp[i]) for i in mine)
+            self.path_hits = self.decay * self.path_hits + sum(1 for i in mine if i in on_path)
         n = 0
         for i in range(1, len(tree)):
             if tree.parents[i] not in on_path or tree.ranks[i] < 0:  # untested, or not the drafter's (lookup)
@@ -131,8 +156,16 @@ class AcceptanceCalibrator:
     def observed(self) -> float:
         return float(self.tries.sum())
 
-    def log_g(self, logq: torch.Tensor) -> torch.Tensor:
+    @property
+    def path_scale(self) -> float:
+        """κ ∈ (0, 1]: accepted drafter nodes over their predicted sum, with ``path_prior`` trees' worth
+        of pseudo-counts at 1 (see the module docstring)."""
+        k = self.path_prior
+        return min(1.0, max((self.path_hits + k) / (self.path_pred + k), 1e-3))
+
+    def log_g(self, logq: torch.Tensor, path_scale: bool = True) -> torch.Tensor:
         """log g for a [D, k] tensor of log q whose row d−1 holds depth d. Same shape and device.
+        Depth 1 includes the path scale κ unless ``path_scale`` is False (the per-node fit alone).
 
         With no observations this returns logq itself (the identity), so an untouched calibrator
         leaves every strategy exactly as without it.
@@ -144,17 +177,20 @@ class AcceptanceCalibrator:
         D = logq.shape[0]
         rows = torch.tensor([self.group(d + 1) for d in range(D)], dtype=torch.long)
         idx = (logq.detach().float().cpu().exp() * (self.grid - 1)).round().long().clamp(0, self.grid - 1)
-        return self._table[rows[:, None], idx].to(logq.device, logq.dtype)
+        out = self._table[rows[:, None], idx]
+        if D and path_scale and self.path_scale < 1.0:
+            out[0] += math.log(self.path_scale)
+        return out.to(logq.device, logq.dtype)
 
     def curve(self, depth: int, qs: list[float]) -> list[float]:
-        """g(q, depth) at the given q values (for plots)."""
+        """g(q, depth) at the given q values (for plots; depth 1 includes the path scale κ)."""
         rows = torch.zeros(depth, len(qs))
         rows[depth - 1] = torch.tensor(qs, dtype=torch.float32).clamp(min=1e-9).log()
         return self.log_g(rows)[depth - 1].exp().tolist()
 
     def to_dict(self) -> dict:
         return {"depth_groups": list(self.depth_groups), "bins": self.bins, "prior": self.prior,
-                "decay": self.decay, "hits": self.hits.tolist(), "tries": self.tries.tolist(),
+                "decay": self.decay, "path_scale": self.path_scale, "hits": self.hits.tolist(), "tries": self.tries.tolist(),
                 "qsum": self.qsum.tolist()}
 
     def reliability(self) -> list[dict]:

@@ -345,12 +345,14 @@ class Engine:
                                1.0 / max(self.latency.overhead_s + c1, 1e-12))
                 elif gate is not None:
                     exp.stop_reason = gate.reason()
-                proposals = copies.propose() if copies is not None else []
+                proposals = copies.propose(drafting) if copies is not None else []
                 for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
-                    prop.chain = extend_with_lookup(exp, prop.proposal.tokens, prop.rates, cost,
+                    n_before = len(exp.tree)
+                    prop.chain = extend_with_lookup(exp, prop.proposal.tokens, prop.reuse_rates, cost,
                                                     self.latency.round_overhead() if drafting
                                                     else self.latency.overhead_s, cfg.max_nodes,
-                                                    limit - committed - 1, prop.source)
+                                                    limit - committed - 1, prop.source, prop.rates)
+                    prop.reused = sum(1 for v in prop.chain if v < n_before)
                 tree = exp.tree
                 # dummy rows (children of the root, never accepted, cropped at commit) up to the
                 # cheapest row count: see RowPadding
@@ -407,7 +409,7 @@ class Engine:
     def _proposed(proposals: list, source: str) -> tuple[list[int], list[float]]:
         """(tokens, rates) of this round's proposal from ``source``, empty when it had none."""
         p = next((p for p in proposals if p.source == source), None)
-        return (list(p.proposal.tokens), list(p.rates)) if p is not None else ([], [])
+        return (list(p.proposal.tokens), p.used_rates()) if p is not None else ([], [])
 
     def run(self, prompt_ids: list[int], cfg: GenerationConfig) -> GenerationResult:
         """Drain :meth:`generate` into a result."""

@@ -212,7 +212,8 @@ COPY_RANKS = {"lookup": -1, "datastore": -2}  # DraftTree.ranks of nodes a copy 
 
 
 def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], cost: Callable[[int], float],
-                       round_overhead: float, max_nodes: int, max_depth: int, source: str = "lookup") -> list[int]:
+                       round_overhead: float, max_nodes: int, max_depth: int, source: str = "lookup",
+                       fresh_rates: list[float] | None = None) -> list[int]:
     """Merge a copied proposal (prompt lookup, or the datastore: ``source``) into ``exp.tree`` and
     keep the prefix the throughput rule pays for.
 
@@ -222,7 +223,9 @@ def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], co
     with path confidence P = P_attach · Π r_d, where r_d = ``rates[d−1]`` estimates the acceptance of
     proposed token d given token d−1, and P_attach = max(the attach node's P, Π of the rates of the
     reused part). With S = the tree's S_n and n its size, the j new nodes maximising
-    (S + Σ_{k≤j} P_k) / (T + C(n + j)) are kept, if that beats the tree without them.
+    (S + Σ_{k≤j} P_k) / (T + C(n + j)) are kept, if that beats the tree without them. ``fresh_rates``
+    (default ``rates``) price the new nodes and ``rates`` the reused part: a copied token that
+    contradicts the drafter is accepted less often than one the drafter also proposed (lookup.py).
 
     Returns the node index of each proposed token now in the tree (reused or new), in order.
     """
@@ -236,6 +239,8 @@ def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], co
         node = nxt
         chain.append(node)
     i = len(chain)
+    if fresh_rates is not None:
+        rates = list(rates[:i]) + list(fresh_rates[i:])
     reused = 1.0
     for r in rates[:i]:
         reused *= r

@@ -55,7 +55,7 @@ class Step:
     draft_logq: list[list[float]] = field(default_factory=list)
     draft_ids: list[list[int]] = field(default_factory=list)     # per depth, their token ids
     lookup_tokens: list[int] = field(default_factory=list)  # this round's prompt-lookup proposal (may be unused)
-    lookup_rates: list[float] = field(default_factory=list)  # its estimated per-token acceptance rates r_d
+    lookup_rates: list[float] = field(default_factory=list)  # the rate r_d each of its tokens was priced at
     rows: int = 0                # rows the target verified: the tree plus padding (0: a record made before padding)
     datastore_tokens: list[int] = field(default_factory=list)  # this round's datastore proposal (may be unused)
     datastore_rates: list[float] = field(default_factory=list)

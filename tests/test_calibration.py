@@ -3,6 +3,7 @@
 import math
 import random
 
+import pytest
 import torch
 
 from bastion.calibration import AcceptanceCalibrator, _pav
@@ -38,7 +39,7 @@ def test_learns_an_overconfident_drafter_per_depth_group():
     _feed(cal, lambda q: q * q, 4000, depth=1)
     _feed(cal, lambda q: q, 4000, depth=3, seed=1)
     q = torch.tensor([[0.2, 0.5, 0.8, 0.95]] * 3)
-    g = cal.log_g(q.log()).exp()
+    g = cal.log_g(q.log(), path_scale=False).exp()  # the per-node fit (these trees' P are not its own)
     assert torch.allclose(g[0], q[0] ** 2, atol=0.06), g[0]          # depth 1: learned q²
     assert torch.allclose(g[2], q[2], atol=0.06), g[2]               # depth 3: calibrated already
     assert torch.allclose(g[1], q[1], atol=1e-2), g[1]               # depth 2: no data, identity
@@ -89,3 +90,21 @@ def test_engine_calibration_fixes_the_surrogate_at_t1_and_stays_lossless():
     assert abs(bias[True]) < 0.5 * bias[False], bias    # ... the calibrated surrogate much less
     assert outputs[True] == outputs[False]              # same seed, same samples: still lossless
     assert not math.isnan(bias[True])
+
+
+def test_path_scale_learns_how_much_path_products_overstate_and_scales_depth_one_only():
+    # a prior so strong that the per-node fit stays g(q) = q: trees of q = 0.8, 0.8 predict
+    # 0.8 + 0.64 = 1.44 accepted drafter nodes, and accept 1.0 on average (both or neither)
+    cal = AcceptanceCalibrator(decay=1.0, prior=1e9)
+    assert cal.path_scale == 1.0
+    for r in range(200):
+        tree = DraftTree.root_only(0)
+        a = tree.add(5, 0, 0.8, 0.8, 0)
+        tree.add(6, a, 0.8, 0.64, 0)
+        tree.add(9, 0, 0.5, 0.5, -1)  # a copy node (rank < 0): not the drafter's, not counted
+        cal.observe(tree, tree.marginals, [0, 1, 2] if r % 2 else [0])
+    assert cal.path_scale == pytest.approx((2 * 100 + 4) / (200 * 1.44 + 4), rel=1e-2)
+    logq = torch.log(torch.tensor([[0.8, 0.1], [0.8, 0.1]]))
+    diff = cal.log_g(logq) - cal.log_g(logq, path_scale=False)
+    assert torch.allclose(diff[0], torch.full((2,), math.log(cal.path_scale)))  # depth 1: every P(v) × κ
+    assert torch.allclose(diff[1], torch.zeros(2))                              # deeper: unchanged

@@ -7,7 +7,7 @@ import torch
 
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
-from bastion.lookup import LookupStats, NgramIndex
+from bastion.lookup import LookupStats, NgramIndex, Proposal, Sourced
 from tiny import tiny_drafter, tiny_target
 
 
@@ -70,6 +70,19 @@ def test_merge_reuses_matching_nodes_and_hangs_the_rest_below():
     assert "lookup: 2 of 2" in exp.stop_reason
 
 
+def test_merge_prices_reused_tokens_and_new_nodes_with_their_own_rates():
+    exp = _tree_with_one_branch()
+    chain = extend_with_lookup(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100,
+                               fresh_rates=[0.1, 0.1, 0.4, 0.5])
+    tree = exp.tree
+    assert tree.path_probs[chain[2]] == pytest.approx(0.81 * 0.4)  # reused part at 0.9 · 0.9, new at 0.4
+    assert tree.path_probs[chain[3]] == pytest.approx(0.81 * 0.4 * 0.5)
+    prop = Sourced("lookup", Proposal([11, 12, 13, 14], 3), [0.1, 0.1, 0.4, 0.5], [0.9, 0.9, 0.8, 0.8],
+                   "branch", chain, reused=2)
+    assert prop.kinds() == ["reuse", "reuse", "branch", "branch"]
+    assert prop.used_rates() == [0.9, 0.9, 0.4, 0.5]  # what a replay prices the same merge with
+
+
 def test_merge_keeps_only_what_the_throughput_rule_pays_for():
     # free verification: everything is kept; expensive verification: nothing
     exp = _tree_with_one_branch()
@@ -96,6 +109,16 @@ def test_stats_learn_per_depth_and_skip_untested_tokens():
         st.observe(2, [1, 2, 3], [True, True, False], accepted={0, 1})
     assert st.rate(2, 1) > 0.95 and st.rate(2, 2) < 0.05 and st.rate(2, 3) == pytest.approx(0.3)
     assert st.rate(3, 1) == pytest.approx(0.3)  # another n-gram length has its own cells
+
+
+def test_stats_keep_reused_branch_and_alone_tokens_apart():
+    st = LookupStats(prior_rate=0.3, prior_strength=2.0, decay=1.0)
+    for _ in range(50):  # agreeing with the drafter: accepted; contradicting it: rejected
+        st.observe(3, [1, 5], [True, True], accepted={0, 1}, kinds=["reuse", "branch"])
+    assert st.rate(3, 1, "reuse") > 0.95 and st.rate(3, 2, "branch") < 0.05
+    assert st.rate(3, 1, "branch") == pytest.approx(0.3) and st.rate(3, 2, "alone") == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="kind"):
+        st.rate(3, 1, "other")
 
 
 def _looping_prompt(target, n=40):
