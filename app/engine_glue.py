@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
+from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
 from bastion.latency import KNOWN_DEVICES, LatencyModel, RowPadding, known_device
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
                                cost, overhead)
     for source in ("lookup", "datastore"):  # Bastion's copy sources, re-sized under the same latency model
         if record.get(f"{source}_tokens"):
-            extend_with_lookup(exp, record[f"{source}_tokens"], record[f"{source}_rates"], cost, overhead,
+            extend_with_copy(exp, record[f"{source}_tokens"], record[f"{source}_rates"], cost, overhead,
                                rule.max_nodes, 10**9, source)
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],

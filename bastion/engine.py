@@ -17,7 +17,7 @@ import torch
 
 from .calibration import AcceptanceCalibrator
 from .drafter import DFlashDrafter
-from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_topk, extend_with_lookup,
+from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
 from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
@@ -348,10 +348,10 @@ class Engine:
                 proposals = copies.propose(drafting) if copies is not None else []
                 for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
                     n_before = len(exp.tree)
-                    prop.chain = extend_with_lookup(exp, prop.proposal.tokens, prop.reuse_rates, cost,
-                                                    self.latency.round_overhead() if drafting
-                                                    else self.latency.overhead_s, cfg.max_nodes,
-                                                    limit - committed - 1, prop.source, prop.rates)
+                    prop.chain = extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost,
+                                                  self.latency.round_overhead() if drafting
+                                                  else self.latency.overhead_s, cfg.max_nodes,
+                                                  limit - committed - 1, prop.source, prop.rates)
                     prop.reused = sum(1 for v in prop.chain if v < n_before)
                 tree = exp.tree
                 # dummy rows (children of the root, never accepted, cropped at commit) up to the
@@ -388,13 +388,16 @@ class Engine:
             predicted = self.latency.predict(rows, prefix)  # before this round's measurement
             self.latency.observe(rows, prefix, times.verify)
             self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
+            lookup_tokens, lookup_rates = self._proposed(proposals, "lookup")
+            datastore_tokens, datastore_rates = self._proposed(proposals, "datastore")
             step = Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
                         self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
                         exp.round_overhead, times, committed, generated, time.perf_counter() - t_start - paused,
-                        prefill_s, bool(finish), finish,
-                        [row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
-                        [row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
-                        *self._proposed(proposals, "lookup"), rows, *self._proposed(proposals, "datastore"))
+                        prefill_s=prefill_s, finished=bool(finish), finish_reason=finish,
+                        draft_logq=[row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
+                        draft_ids=[row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
+                        lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=rows,
+                        datastore_tokens=datastore_tokens, datastore_rates=datastore_rates)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time

@@ -211,9 +211,9 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
 COPY_RANKS = {"lookup": -1, "datastore": -2}  # DraftTree.ranks of nodes a copy source added
 
 
-def extend_with_lookup(exp: Expansion, tokens: list[int], rates: list[float], cost: Callable[[int], float],
-                       round_overhead: float, max_nodes: int, max_depth: int, source: str = "lookup",
-                       fresh_rates: list[float] | None = None) -> list[int]:
+def extend_with_copy(exp: Expansion, tokens: list[int], rates: list[float], cost: Callable[[int], float],
+                     round_overhead: float, max_nodes: int, max_depth: int, source: str = "lookup",
+                     fresh_rates: list[float] | None = None) -> list[int]:
     """Merge a copied proposal (prompt lookup, or the datastore: ``source``) into ``exp.tree`` and
     keep the prefix the throughput rule pays for.
 

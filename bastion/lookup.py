@@ -15,7 +15,7 @@ these too, but not all, and the two err in different places, so Bastion puts bot
   "branch" (a new node in a round that drafted: the drafter predicted something else there or
   nothing) and "alone" (a new node in a round without a draft). One pooled rate over-stated
   branches: at T = 0 trees holding drafter and copy nodes expected 3.6 tokens and accepted 2.9.
-- ``expansion.extend_with_lookup`` merges the proposal into the drafter's tree as a trie path and
+- ``expansion.extend_with_copy`` merges the proposal into the drafter's tree as a trie path and
   keeps the prefix the throughput rule pays for, with path confidence P = Π r.
 
 Verification is unchanged, so the output stays exactly the target's.
@@ -151,7 +151,7 @@ class CopySources:
     """A request's copy-based draft sources beside the drafter: prompt lookup over its own tokens
     (:class:`NgramIndex`) and, when given, a datastore of the target's earlier replies
     (``bastion.datastore``). Each proposes a continuation of the committed tokens every round, is
-    merged into the tree by ``expansion.extend_with_lookup`` and learns its own rates r(n, d).
+    merged into the tree by ``expansion.extend_with_copy`` and learns its own rates r(n, d).
 
     ``stats`` maps a source name to its :class:`LookupStats`; a source without stats is off.
     """

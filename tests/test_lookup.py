@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_lookup
+from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
 from bastion.lookup import LookupStats, NgramIndex, Proposal, Sourced
 from tiny import tiny_drafter, tiny_target
 
@@ -59,7 +59,7 @@ def _tree_with_one_branch():
 def test_merge_reuses_matching_nodes_and_hangs_the_rest_below():
     exp = _tree_with_one_branch()
     n0 = len(exp.tree)
-    chain = extend_with_lookup(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100)
+    chain = extend_with_copy(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100)
     tree = exp.tree
     tree.validate()
     assert chain[:2] == [tree.tokens.index(11), tree.tokens.index(12)]  # reused, not duplicated
@@ -72,7 +72,7 @@ def test_merge_reuses_matching_nodes_and_hangs_the_rest_below():
 
 def test_merge_prices_reused_tokens_and_new_nodes_with_their_own_rates():
     exp = _tree_with_one_branch()
-    chain = extend_with_lookup(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100,
+    chain = extend_with_copy(exp, [11, 12, 13, 14], [0.9, 0.9, 0.8, 0.8], lambda n: 0.0, 1.0, 100, 100,
                                fresh_rates=[0.1, 0.1, 0.4, 0.5])
     tree = exp.tree
     assert tree.path_probs[chain[2]] == pytest.approx(0.81 * 0.4)  # reused part at 0.9 · 0.9, new at 0.4
@@ -86,20 +86,20 @@ def test_merge_prices_reused_tokens_and_new_nodes_with_their_own_rates():
 def test_merge_keeps_only_what_the_throughput_rule_pays_for():
     # free verification: everything is kept; expensive verification: nothing
     exp = _tree_with_one_branch()
-    assert len(extend_with_lookup(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: 0.0, 1.0, 100, 100)) == 3
+    assert len(extend_with_copy(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: 0.0, 1.0, 100, 100)) == 3
     exp = _tree_with_one_branch()
     n0 = len(exp.tree)
-    assert extend_with_lookup(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: float(n), 0.0, 100, 100) == []
+    assert extend_with_copy(exp, [5, 6, 7], [0.5, 0.5, 0.5], lambda n: float(n), 0.0, 100, 100) == []
     assert len(exp.tree) == n0 and [d.added for d in exp.trace[-3:]] == [False] * 3
     # a cost step after one node: only the first is worth it
     exp = _tree_with_one_branch()
     cost = lambda n: 1.0 if n <= n0 + 1 else 5.0  # noqa: E731
-    assert len(extend_with_lookup(exp, [5, 6, 7], [0.9, 0.9, 0.9], cost, 0.0, 100, 100)) == 1
+    assert len(extend_with_copy(exp, [5, 6, 7], [0.9, 0.9, 0.9], cost, 0.0, 100, 100)) == 1
     # caps: node budget and depth
     exp = _tree_with_one_branch()
-    assert len(extend_with_lookup(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, n0 - 1 + 2, 100)) == 2
+    assert len(extend_with_copy(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, n0 - 1 + 2, 100)) == 2
     exp = _tree_with_one_branch()
-    assert len(extend_with_lookup(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, 100, 1)) == 1
+    assert len(extend_with_copy(exp, [5, 6, 7], [1.0] * 3, lambda n: 0.0, 1.0, 100, 1)) == 1
 
 
 def test_stats_learn_per_depth_and_skip_untested_tokens():
