@@ -262,12 +262,13 @@ class Runtime:
 
     def calibration(self, cfg: GenerationConfig) -> dict:
         """The engine's acceptance calibration for cfg's sampling rule, for the calibration plot:
-        observed (q, acceptance rate, count) per depth group and bin, and the fitted g(q) curves."""
+        observed (q, acceptance rate, count) per depth group and bin, the fitted per-node g(q) curves
+        and the path scale κ the tree builder multiplies every path's P with."""
         with self.lock:
             cal = self.engine.calibrator(cfg)
             qs = [i / 40 for i in range(41)]
             return {"temperature": cfg.temperature, "points": cal.reliability(), "qs": qs,
-                    "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}}
+                    "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}, "path_scale": cal.path_scale}
 
     def _record(self, step, calib: dict, clock: float) -> dict:
         rec = step.to_dict()

@@ -320,7 +320,8 @@ def calibration_figure(cal: dict | None) -> go.Figure:
     """Reliability of the drafter's confidences under the run's acceptance rule.
 
     ``cal`` as from Runtime.calibration: points {depths_from, q, rate, count} per depth group and bin,
-    ``qs`` and per group the fitted g(q) the tree builder multiplies (bastion/calibration.py).
+    ``qs`` and per group the fitted g(q) the tree builder multiplies (bastion/calibration.py), and
+    ``path_scale`` κ, the correction of their products (optional).
     """
     if not cal or not cal.get("points"):
         return empty_figure("no calibration data yet (run a drafting strategy)")
@@ -347,6 +348,8 @@ def calibration_figure(cal: dict | None) -> go.Figure:
     fig.update_yaxes(title_text="P(accepted | parent accepted)", range=[0, 1.02])
     title = (f"Drafter calibration at T = {cal.get('temperature', 0):g}: below the diagonal the drafter is "
              "overconfident; trees are ranked by the fitted g(q)")
+    if cal.get("path_scale") is not None:  # older exported runs lack it
+        title += f", every path's P × κ = {cal['path_scale']:.2f}"
     return _base_layout(fig, title, 460)
 
 

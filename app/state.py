@@ -147,6 +147,8 @@ def validate_run(data) -> dict:
 
 def _check_calibration(cal: dict) -> None:
     float(cal.get("temperature", 0.0))
+    if cal.get("path_scale") is not None and not 0.0 < float(cal["path_scale"]) <= 1.0:
+        raise ValueError(f"path_scale must lie in (0, 1], got {cal['path_scale']}")
     qs = [float(q) for q in cal["qs"]]
     for p in cal["points"]:
         int(p["depths_from"]), float(p["q"]), float(p["rate"]), float(p["count"])

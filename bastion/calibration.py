@@ -182,11 +182,12 @@ class AcceptanceCalibrator:
             out[0] += math.log(self.path_scale)
         return out.to(logq.device, logq.dtype)
 
-    def curve(self, depth: int, qs: list[float]) -> list[float]:
-        """g(q, depth) at the given q values (for plots; depth 1 includes the path scale κ)."""
+    def curve(self, depth: int, qs: list[float], path_scale: bool = False) -> list[float]:
+        """g(q, depth) at the given q values (for plots): the per-node fit, or with ``path_scale`` what
+        the tree builder uses (at depth 1 times κ)."""
         rows = torch.zeros(depth, len(qs))
         rows[depth - 1] = torch.tensor(qs, dtype=torch.float32).clamp(min=1e-9).log()
-        return self.log_g(rows)[depth - 1].exp().tolist()
+        return self.log_g(rows, path_scale)[depth - 1].exp().tolist()
 
     def to_dict(self) -> dict:
         return {"depth_groups": list(self.depth_groups), "bins": self.bins, "prior": self.prior,

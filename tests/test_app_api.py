@@ -178,8 +178,10 @@ def test_export_import_roundtrip_and_bad_files(tmp_path):
     assert run["calibration"]["points"] and view["calibration"] is not None  # the calibration plot comes back too
     broken = dict(run, steps=[dict(run["steps"][0], accepted=[0, 999])])
     bad_cal = dict(run, calibration=dict(run["calibration"], curves={"1": [0.5]}))
+    bad_scale = dict(run, calibration=dict(run["calibration"], path_scale=3.0))
     bad = {"not json": "{oops", "foreign": json.dumps({"hello": 1}), "list": "[1, 2]",
-           "broken": json.dumps(broken), "empty": json.dumps(dict(run, steps=[])), "calibration": json.dumps(bad_cal)}
+           "broken": json.dumps(broken), "empty": json.dumps(dict(run, steps=[])), "calibration": json.dumps(bad_cal),
+           "path scale": json.dumps(bad_scale)}
     for name, text in bad.items():
         path = tmp_path / f"{name}.json"
         path.write_text(text)

@@ -217,7 +217,8 @@ def test_calibration_figure_plots_observed_rates_and_fitted_curves():
     obs, fit = fig.data[1], fig.data[2]
     assert math.isclose(obs.x[0], 0.8) and math.isclose(obs.y[0], 0.5) and "of 200 tested" in obs.hovertext[0]
     assert 0.45 < fit.y[8] < 0.6 and fit.y[8] < 0.8  # g(0.8) pulled from 0.8 toward the observed 0.5
-    assert "T = 1" in fig.layout.title.text
+    assert "T = 1" in fig.layout.title.text and "κ" not in fig.layout.title.text
+    assert "κ = 0.70" in figures.calibration_figure({**data, "path_scale": 0.7}).layout.title.text
     assert figures.calibration_figure(None).layout.annotations  # nothing yet: a message, no crash
 
 
