@@ -112,7 +112,7 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     for source in ("lookup", "datastore"):  # Bastion's copy sources, re-sized under the same latency model
         if record.get(f"{source}_tokens"):
             extend_with_copy(exp, record[f"{source}_tokens"], record[f"{source}_rates"], cost, overhead,
-                               rule.max_nodes, 10**9, source)
+                             rule.max_nodes, 10**9, source)
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
             "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,

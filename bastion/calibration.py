@@ -22,8 +22,9 @@ acceptances along a path are not independent given q alone. At T = 1 the embedde
 predicted 0.78 accepted draft tokens a round and accepted 0.54 (at T = 0: 1.46 and 1.34). So the
 calibrator also learns one path scale κ = (accepted drafter nodes + k) / (Σ_v P(v) + k) over the
 drafter's nodes of recent trees, where P(v) = Π g(q_u, d_u) along v's path under the current per-node
-fit (decayed like the counts; k = ``path_prior``), and multiplies depth 1's g by κ (at most 1). Every path passes through exactly one depth-1 node, so this scales every
-P(v), hence S_n − 1, by κ and leaves the order of candidates unchanged.
+fit (decayed like the counts; k = ``path_prior``), and multiplies depth 1's g by κ (at most 1).
+Every path passes through exactly one depth-1 node, so this scales every P(v), hence S_n − 1, by κ
+and leaves the order of candidates unchanged.
 
 g is non-decreasing in q and ≤ 1, so sibling order (descending q) and "a child never beats its
 parent" both survive: best-first expansion stays exact under the calibrated surrogate
@@ -191,8 +192,8 @@ class AcceptanceCalibrator:
 
     def to_dict(self) -> dict:
         return {"depth_groups": list(self.depth_groups), "bins": self.bins, "prior": self.prior,
-                "decay": self.decay, "path_scale": self.path_scale, "hits": self.hits.tolist(), "tries": self.tries.tolist(),
-                "qsum": self.qsum.tolist()}
+                "decay": self.decay, "path_scale": self.path_scale, "hits": self.hits.tolist(),
+                "tries": self.tries.tolist(), "qsum": self.qsum.tolist()}
 
     def reliability(self) -> list[dict]:
         """Per depth group and bin with data: mean q, observed acceptance rate, count."""
