@@ -108,11 +108,12 @@ class AcceptanceCalibrator:
         if mine:
             if self._table is None:
                 self._table = self._build_table()
+            rows = torch.tensor([self.group(tree.depths[i]) for i in mine], dtype=torch.long)
+            qs = torch.tensor([raw_marginals[i] for i in mine], dtype=torch.float32)
+            cells = self._table[rows, self._grid_index(qs)].tolist()  # the same lookup as log_g
             logp = [0.0] * len(tree)
-            for i in mine:  # parents come before children, and a drafter node's parent is the root or one
-                q = min(max(raw_marginals[i], 0.0), 1.0)
-                cell = self._table[self.group(tree.depths[i]), min(round(q * (self.grid - 1)), self.grid - 1)]
-                logp[i] = logp[tree.parents[i]] + float(cell)
+            for i, cell in zip(mine, cells):  # parents come before children; a drafter node's parent is one or the root
+                logp[i] = logp[tree.parents[i]] + cell
             self.path_pred = self.decay * self.path_pred + sum(math.exp(logp[i]) for i in mine)
             self.path_hits = self.decay * self.path_hits + sum(1 for i in mine if i in on_path)
         n = 0
@@ -177,11 +178,14 @@ class AcceptanceCalibrator:
             self._table = self._build_table()
         D = logq.shape[0]
         rows = torch.tensor([self.group(d + 1) for d in range(D)], dtype=torch.long)
-        idx = (logq.detach().float().cpu().exp() * (self.grid - 1)).round().long().clamp(0, self.grid - 1)
-        out = self._table[rows[:, None], idx]
+        out = self._table[rows[:, None], self._grid_index(logq.detach().float().cpu().exp())]
         if D and path_scale and self.path_scale < 1.0:
             out[0] += math.log(self.path_scale)
         return out.to(logq.device, logq.dtype)
+
+    def _grid_index(self, q: torch.Tensor) -> torch.Tensor:
+        """The nearest point of the q grid (a column of the table) for each q, clamped into [0, 1]."""
+        return (q.clamp(0.0, 1.0) * (self.grid - 1)).round().long()
 
     def curve(self, depth: int, qs: list[float], path_scale: bool = False) -> list[float]:
         """g(q, depth) at the given q values (for plots): the per-node fit, or with ``path_scale`` what

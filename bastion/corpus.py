@@ -103,7 +103,7 @@ def _stdlib_prompts() -> list[str]:
     return out
 
 
-CORPORA = ("base", "broad")
+CORPORA = ("base", "broad", "self")
 
 
 def build_corpus(size: int = 4000, seed: int = 0, exclude: set[str] | None = None, corpus: str = "base") -> list[str]:
@@ -114,6 +114,8 @@ def build_corpus(size: int = 4000, seed: int = 0, exclude: set[str] | None = Non
     """
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
+    if corpus == "self":
+        raise ValueError("the 'self' corpus is written by the target itself: see bastion.train.make_requests")
     rng = random.Random(seed)
     topics = [t.strip() for t in TOPICS if t.strip()]
     tasks = [c.strip() for c in CODE_TASKS if c.strip()]
@@ -288,3 +290,90 @@ def _broad_pools(rng: random.Random) -> dict[str, list[str]]:
                 + [f"Write a bash command that {t.strip()}." for t in SHELL_TASKS if t.strip()],
         "math": [_word_problem(rng) for _ in range(3000)],
     }
+
+
+# --------------------------------------------------------------------------- the "self" corpus
+# The target writes the requests itself (bastion.train.make_requests): a raw-text list of example
+# requests, sampled onward, gives varied, realistic prompts in the target's own register — closer to
+# what users send than any template. The examples below were written for this project; none is an
+# evaluation prompt (a test checks).
+SEED_REQUESTS = {
+    "chat": [
+        "How do I politely decline a wedding invitation from a coworker?",
+        "Can you suggest a weekend itinerary for a first visit to Lisbon?",
+        "Write a short poem about autumn leaves for my daughter's class.",
+        "My sourdough starter smells like nail polish. Is it still safe to use?",
+        "Explain how a credit score works in simple terms.",
+        "What should I pack for a three-day hiking trip in the rain?",
+        "Write a friendly reminder to my team that timesheets are due on Friday.",
+        "What are some easy vegetarian dinners I can cook in twenty minutes?",
+        "How can I help my teenager manage exam stress?",
+        "Give me five ideas for a rainy afternoon with two young kids.",
+        "Why does my laptop get so hot when I watch videos?",
+        "Rewrite this sentence to sound more professional: we kinda messed up the order.",
+        "What is a good way to start learning to draw as an adult?",
+        "Summarize the main causes of the First World War in a paragraph.",
+        "How do I tell my landlord that the kitchen faucet has been leaking for a week?",
+    ],
+    "code": [
+        "Write a Python function that merges two dictionaries and sums the values of shared keys.",
+        "What is the difference between a list and a tuple in Python?",
+        "Write a JavaScript function that debounces another function.",
+        "Write a bash one-liner that counts the lines in all .txt files in a folder.",
+        "How do I read a JSON file in Python and print one of its fields?",
+        "Write a SQL query that lists each department with its average salary.",
+        "Fix this Python code: for i in range(10) print(i)",
+        "Write a Python class for a to-do list with add, remove and list methods.",
+        "Explain what a recursive function is and give a short example in Python.",
+        "Write a Python function that returns the most common letter in a string.",
+        "How can I remove duplicate rows from a pandas DataFrame?",
+        "Write a Java method that reverses the words in a sentence.",
+        "Write a Python script that renames every .jpeg file in a folder to .jpg.",
+        "What does the `yield` keyword do in Python?",
+        "Write a C function that returns the length of a string without using strlen.",
+    ],
+    "math": [
+        "A farmer has 36 chickens and sells a quarter of them. How many chickens are left?",
+        "If a shirt costs $25 and is on sale for 20% off, what is the sale price?",
+        "How many minutes are there in three and a half hours?",
+        "Solve 5x + 3 = 28 and show each step.",
+        "A car travels 180 km on 12 liters of fuel. How far can it go on 20 liters?",
+        "What is the area of a circle with a radius of 4 cm?",
+        "Lena reads 15 pages a day. How many days does she need for a 240-page book?",
+        "What is the least common multiple of 6 and 8?",
+        "A class has 14 boys and 16 girls. What fraction of the class are girls?",
+        "Convert 3/8 to a decimal and to a percentage.",
+        "Three friends share a $54 bill equally and leave a $9 tip. How much does each pay?",
+        "What is the next number in the sequence 2, 6, 12, 20, 30?",
+        "A tank holds 500 liters and fills at 25 liters per minute. How long does it take to fill?",
+        "Is 91 a prime number? Explain why or why not.",
+        "What is the perimeter of a square whose area is 49 square meters?",
+    ],
+}
+REQUEST_CATEGORIES = tuple(SEED_REQUESTS)
+
+
+def request_prompt(rng: random.Random, category: str, shots: int = 5) -> str:
+    """Raw text (no chat template) that a language model continues with one more request of `category`:
+    a numbered list of `shots` examples drawn from SEED_REQUESTS, ending in the next number."""
+    examples = rng.sample(SEED_REQUESTS[category], shots)
+    head = "Here are some requests that users sent to an AI assistant:\n"
+    return head + "".join(f"{i + 1}. {q}\n" for i, q in enumerate(examples)) + f"{shots + 1}."
+
+
+def parse_requests(text: str, shots: int = 5, min_chars: int = 15, max_chars: int = 300) -> list[str]:
+    """The requests in a continuation of `request_prompt`: its first line, then each following line
+    numbered shots+2, shots+3, … (the model often goes on listing). A line counts only if it is
+    complete (ends in ? . ! or `:`), of a sane length, and not one of the seed examples."""
+    seeds = {q for qs in SEED_REQUESTS.values() for q in qs}
+    out = []
+    for i, line in enumerate(text.split("\n")):
+        if i > 0:
+            num = f"{shots + 1 + i}."
+            if not line.startswith(num):
+                break
+            line = line[len(num):]
+        line = " ".join(line.split())
+        if min_chars <= len(line) <= max_chars and line[-1] in "?.!:" and line not in seeds:
+            out.append(line)
+    return out

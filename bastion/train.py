@@ -1,10 +1,11 @@
 """Self-distillation of a DFlash drafter for a target, on CPU, resumable.
 
-    python -m bastion.train data  --out DIR [--corpus base|broad] [--prompts N] [--batch 32] [--max-new-tokens 160]
+    python -m bastion.train data  --out DIR [--corpus base|broad|self] [--prompts N] [--batch 32] [--max-new-tokens 160]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
                                   [--init FOLDER] [--draft-vocab N] [--export FOLDER]
 
-``data``: the offline corpus (bastion.corpus, eval prompts excluded) → the target's own greedy
+``data``: the offline corpus (bastion.corpus, eval prompts excluded; ``self``: requests the target
+writes itself, see ``make_requests``) → the target's own greedy
 continuations, generated in batches (batching is what makes this affordable on 2 cores), plus the
 feature-layer hidden states of every token, written in shards; finished shards are never redone.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .corpus import CORPORA, build_corpus
+from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
 from .drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter, spread_layer_ids
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
 from .target import Target
@@ -56,11 +57,69 @@ def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
 
 # --------------------------------------------------------------------------- data
 @torch.inference_mode()
+def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclude: set[str] | None = None,
+                  max_new_tokens: int = 96, max_rounds: int | None = None) -> list[str]:
+    """`n` distinct requests written by the target itself (the "self" corpus).
+
+    Each round samples (T = 1, top-p 0.95, torch seeded with seed + round) continuations of `batch`
+    raw few-shot lists (``corpus.request_prompt``; categories in turn, so the corpus stays balanced)
+    and keeps the complete, distinct requests ``corpus.parse_requests`` finds. Raises if `max_rounds`
+    (default: enough for 4 tries per request) pass without `n` usable requests — a model that cannot
+    write requests (e.g. a random one) fails loudly instead of looping."""
+    tok, model = target.tokenizer, target.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rng = random.Random(seed)
+    exclude = exclude or set()
+    seen: set[str] = set()
+    out: list[str] = []
+    rounds = max_rounds if max_rounds is not None else max(4, math.ceil(4 * n / batch))
+    t0 = time.time()
+    for r in range(rounds):
+        cats = [REQUEST_CATEGORIES[(r * batch + i) % len(REQUEST_CATEGORIES)] for i in range(batch)]
+        enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
+        width = max(map(len, enc))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+        att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        torch.manual_seed(seed * 100_003 + r)
+        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
+                             temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
+        for g in gen.tolist():
+            for q in parse_requests(tok.decode(g, skip_special_tokens=True)):
+                if q not in seen and q not in exclude and len(out) < n:
+                    seen.add(q)
+                    out.append(q)
+        _progress(len(out), n, t0, f"round {r + 1}/{rounds}")
+        if len(out) >= n:
+            print(file=sys.stderr)
+            return out
+    print(file=sys.stderr)
+    raise RuntimeError(f"the model wrote only {len(out)} usable requests of {n} in {rounds} rounds; "
+                       "use another corpus (--corpus base|broad) or a model that follows a list")
+
+
+def _requests_file(target: Target, out: Path, n: int, seed: int) -> list[str]:
+    """The "self" corpus of a data folder: written once to out/requests.json (sampling differs across
+    machines and library versions, so a rerun must reuse it, not regenerate it; a larger `n` appends)."""
+    path = out / "requests.json"
+    have = json.loads(path.read_text()) if path.is_file() else []
+    if len(have) >= n:
+        return have[:n]
+    # a larger --prompts extends the list (finished shards keep their prompts)
+    more = make_requests(target, n - len(have), seed=seed + 7919 * len(have), exclude=_eval_prompt_set() | set(have))
+    reqs = have + more
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(reqs, indent=0, ensure_ascii=False))
+    os.replace(tmp, path)
+    return reqs
+
+
+@torch.inference_mode()
 def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tokens: int, layer_ids: list[int],
               seed: int = 0, corpus: str = "base") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set(), corpus=corpus)
-    meta = {"layer_ids": layer_ids, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch": batch,
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
+    meta = {"layer_ids": layer_ids, "prompts": n_prompts, "max_new_tokens": max_new_tokens, "batch": batch,
             "corpus": corpus, "seed": seed}
     old = out / "meta.json"
     if old.is_file() and any(out.glob("shard_*.pt")):
@@ -69,7 +128,11 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if before.get(k) != meta[k]]
         if clash:  # finished shards would silently belong to another prompt list
             raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
-    (out / "meta.json").write_text(json.dumps(meta))
+    if corpus == "self":
+        prompts = _requests_file(target, out, n_prompts, seed)
+    else:
+        prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set(), corpus=corpus)
+    (out / "meta.json").write_text(json.dumps(meta | {"prompts": len(prompts)}))
     target.set_feature_layers(layer_ids)
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

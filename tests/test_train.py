@@ -30,6 +30,62 @@ def test_corpus_excludes_what_it_is_told_and_rejects_unknown_names():
         build_corpus(10, corpus="wikipedia")
 
 
+def test_self_corpus_seeds_prompt_and_parser():
+    from bastion.corpus import SEED_REQUESTS, parse_requests, request_prompt
+
+    seeds = {q for qs in SEED_REQUESTS.values() for q in qs}
+    assert not seeds & _eval_prompts()  # the few-shot examples are not evaluation prompts
+    import random
+
+    a, b = request_prompt(random.Random(3), "code"), request_prompt(random.Random(3), "code")
+    assert a == b and a.endswith("\n6.") and sum(q in a for q in SEED_REQUESTS["code"]) == 5
+    text = " Write a Go function that sums a slice of ints.\n7.  How do I   center a div?\n9. skipped number?"
+    assert parse_requests(text) == ["Write a Go function that sums a slice of ints.", "How do I center a div?"]
+    assert parse_requests(" Write a Go function that sums a slice") == []  # cut off mid-sentence
+    assert parse_requests(" Hi?") == []  # too short
+    assert parse_requests(" " + SEED_REQUESTS["math"][0]) == []  # a copied example
+    with pytest.raises(ValueError, match="make_requests"):
+        build_corpus(10, corpus="self")
+
+
+class _CharTokenizer:
+    """Just enough of a tokenizer for make_requests on a tiny random model (97 ids ↔ printable chars)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + ord(c) % 96 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\n" if i == 1 else chr(31 + i) for i in ids if i)
+
+
+def test_make_requests_fails_loudly_when_the_model_cannot_write_requests():
+    from bastion.train import make_requests
+    from tiny import tiny_target
+
+    target = tiny_target(dtype=torch.float32)
+    target.tokenizer = _CharTokenizer()
+    with pytest.raises(RuntimeError, match="usable requests of 50 in 1 rounds"):
+        make_requests(target, 50, batch=4, max_new_tokens=8, max_rounds=1)
+
+
+@pytest.mark.slow
+def test_self_corpus_is_written_once_and_extended(tmp_path):
+    """The embedded target writes its own requests; requests.json is reused, and a larger n appends."""
+    from bastion.loading import EMBEDDED, load_target
+    from bastion.train import _requests_file
+
+    target = load_target(EMBEDDED, torch.float32, "cpu")
+    first = _requests_file(target, tmp_path, 6, seed=0)
+    assert len(first) == len(set(first)) == 6 and not set(first) & _eval_prompts()
+    assert all(q[-1] in "?.!:" for q in first)
+    assert _requests_file(target, tmp_path, 4, seed=0) == first[:4]  # read back, not regenerated
+    more = _requests_file(target, tmp_path, 9, seed=0)
+    assert more[:6] == first and len(set(more)) == 9
+    assert json.loads((tmp_path / "requests.json").read_text()) == more
+
+
 @pytest.mark.slow
 def test_data_fit_resume_and_plot_on_the_embedded_target(tmp_path, capsys):
     """data → fit (stops after 2 steps) → fit again resumes at step 2 and continues to 4 → plot."""
