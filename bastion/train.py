@@ -97,7 +97,7 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
                        "use another corpus (--corpus base|broad) or a model that follows a list")
 
 
-def _requests_file(target: Target, out: Path, n: int, seed: int) -> list[str]:
+def _requests_file(target: Target, out: Path, n: int, seed: int, batch: int = 64) -> list[str]:
     """The "self" corpus of a data folder: written once to out/requests.json (sampling differs across
     machines and library versions, so a rerun must reuse it, not regenerate it; a larger `n` appends)."""
     path = out / "requests.json"
@@ -105,7 +105,8 @@ def _requests_file(target: Target, out: Path, n: int, seed: int) -> list[str]:
     if len(have) >= n:
         return have[:n]
     # a larger --prompts extends the list (finished shards keep their prompts)
-    more = make_requests(target, n - len(have), seed=seed + 7919 * len(have), exclude=_eval_prompt_set() | set(have))
+    more = make_requests(target, n - len(have), seed=seed + 7919 * len(have), batch=batch,
+                         exclude=_eval_prompt_set() | set(have))
     reqs = have + more
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(reqs, indent=0, ensure_ascii=False))

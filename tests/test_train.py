@@ -77,11 +77,11 @@ def test_self_corpus_is_written_once_and_extended(tmp_path):
     from bastion.train import _requests_file
 
     target = load_target(EMBEDDED, torch.float32, "cpu")
-    first = _requests_file(target, tmp_path, 6, seed=0)
+    first = _requests_file(target, tmp_path, 6, seed=0, batch=8)
     assert len(first) == len(set(first)) == 6 and not set(first) & _eval_prompts()
     assert all(q[-1] in "?.!:" for q in first)
-    assert _requests_file(target, tmp_path, 4, seed=0) == first[:4]  # read back, not regenerated
-    more = _requests_file(target, tmp_path, 9, seed=0)
+    assert _requests_file(target, tmp_path, 4, seed=0, batch=8) == first[:4]  # read back, not regenerated
+    more = _requests_file(target, tmp_path, 9, seed=0, batch=8)
     assert more[:6] == first and len(set(more)) == 9
     assert json.loads((tmp_path / "requests.json").read_text()) == more
 
