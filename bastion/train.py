@@ -387,6 +387,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
         if step % ckpt_every == 0 and _count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
+            # (the old list is dropped first: holding both doubles the peak memory)
+            records = None
             records = load_shards(data)
             n_shards = _count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)

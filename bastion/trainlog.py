@@ -50,7 +50,10 @@ def plot_log(log: list[dict], path: Path, smooth: int = 25, starts: list[int] = 
     ax2.plot(steps, avg([x["chain_len"] for x in log]), color="black", ls="--", label="accepted chain length")
     ax2.set(xlabel="step", ylabel="top-1 accuracy / tokens", title="per-depth accuracy (teacher forced)")
     ax2.legend(fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))  # long lineages: step labels must not collide
         for x in starts:
             ax.axvline(x, color="gray", ls=":", lw=1)
     fig.tight_layout()
