@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             import json
 
             vocab = int(json.loads((a.out / "config.json").read_text())["vocab_size"])
-        records = load_shards(a.data)
+        records = load_shards(a.data, ids_only=True)  # the features are not needed
         seqs = [r["ids"].tolist() if hasattr(r["ids"], "tolist") else list(r["ids"]) for r in records]
         path = Datastore.from_sequences(seqs, vocab).save(a.out)
     except (OSError, ValueError, KeyError) as exc:

@@ -165,12 +165,17 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
     print(file=sys.stderr)
 
 
-def load_shards(data: Path | list[Path]) -> list[dict]:
-    """Every record of every finished shard of one or several data folders."""
+def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:
+    """Every record of every finished shard of one or several data folders. ``ids_only``: memory-map
+    the shards and keep only the token ids (no features: a few MB instead of GBs, e.g. for a datastore)."""
     records = []
     for folder in ([data] if isinstance(data, Path) else data):
         for path in sorted(folder.glob("shard_*.pt")):
-            records.extend(torch.load(path))
+            if ids_only:
+                records.extend({k: (v.clone() if k == "ids" else v) for k, v in r.items() if k != "feats"}
+                               for r in torch.load(path, mmap=True))
+            else:
+                records.extend(torch.load(path))
     if not records:
         raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out DIR` first")
     return records
