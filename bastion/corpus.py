@@ -351,6 +351,7 @@ SEED_REQUESTS = {
     ],
 }
 REQUEST_CATEGORIES = tuple(SEED_REQUESTS)
+_SEEDS = frozenset(q for qs in SEED_REQUESTS.values() for q in qs)
 
 
 def request_prompt(rng: random.Random, category: str, shots: int = 5) -> str:
@@ -365,7 +366,6 @@ def parse_requests(text: str, shots: int = 5, min_chars: int = 15, max_chars: in
     """The requests in a continuation of `request_prompt`: its first line, then each following line
     numbered shots+2, shots+3, … (the model often goes on listing). A line counts only if it is
     complete (ends in ? . ! or `:`), of a sane length, and not one of the seed examples."""
-    seeds = {q for qs in SEED_REQUESTS.values() for q in qs}
     out = []
     for i, line in enumerate(text.split("\n")):
         if i > 0:
@@ -374,6 +374,6 @@ def parse_requests(text: str, shots: int = 5, min_chars: int = 15, max_chars: in
                 break
             line = line[len(num):]
         line = " ".join(line.split())
-        if min_chars <= len(line) <= max_chars and line[-1] in "?.!:" and line not in seeds:
+        if min_chars <= len(line) <= max_chars and line[-1] in "?.!:" and line not in _SEEDS:
             out.append(line)
     return out

@@ -56,6 +56,14 @@ def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
 
 
 # --------------------------------------------------------------------------- data
+def _left_pad(enc: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch for ``generate``: [B, W] ids left-padded with `pad` and their [B, W] attention mask."""
+    width = max(map(len, enc))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+    att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    return ids, att
+
+
 @torch.inference_mode()
 def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclude: set[str] | None = None,
                   max_new_tokens: int = 96, max_rounds: int | None = None) -> list[str]:
@@ -77,9 +85,8 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
     for r in range(rounds):
         cats = [REQUEST_CATEGORIES[(r * batch + i) % len(REQUEST_CATEGORIES)] for i in range(batch)]
         enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
-        width = max(map(len, enc))
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-        att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        ids, att = _left_pad(enc, pad)
+        width = ids.shape[1]
         torch.manual_seed(seed * 100_003 + r)
         gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
                              temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
@@ -145,9 +152,8 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
             continue
         chunk = prompts[s * batch:(s + 1) * batch]
         enc = [encode_prompt(tok, p) for p in chunk]
-        width = max(map(len, enc))
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-        att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        ids, att = _left_pad(enc, pad)
+        width = ids.shape[1]
         gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad)[:, width:]
         seqs = []
