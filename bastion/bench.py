@@ -39,6 +39,7 @@ from tqdm import tqdm
 from transformers.generation import BaseStreamer
 
 from .engine import Engine, GenerationConfig
+from .kernels.cpu_linear import SkinnyLinear, use_skinny_linear
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
 ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
@@ -268,6 +269,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
+    machine["linear"] = ("fast (kernels.cpu_linear)" if any(isinstance(m, SkinnyLinear) for m in engine.target.model.modules())
+                         else "stock (F.linear)")
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
@@ -302,6 +305,9 @@ def add_parser(sub) -> None:
     b.add_argument("--dtype", default="float32")
     b.add_argument("--device", default=None)
     b.add_argument("--kernels", default="auto", help="auto|torch|triton")
+    b.add_argument("--linear", choices=("fast", "stock"), default="fast",
+                   help="fast: few-row CPU products through kernels.cpu_linear (every strategy, the HF baselines "
+                        "included); stock: torch's F.linear everywhere (the ablation)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -362,11 +368,13 @@ def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
-        target = load_target(a.model, dtype, a.device, progress=log)
+        target = load_target(a.model, dtype, a.device, progress=log, fast_linear=a.linear == "fast")
         drafter = load_default_drafter(target, a.drafter, a.model)
         datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load: {exc}") from None
+    if drafter is not None:
+        use_skinny_linear(drafter, a.linear == "fast")
     needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
     if drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
@@ -377,7 +385,8 @@ def _command(a, out_dir: Path) -> str:
     """The command line that reproduces this run, every setting spelled out."""
     argv = ["python", "-m", "bastion", "bench", "--prompts", str(a.prompts), "--strategies", a.strategies,
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--seed", str(a.seed),
-            "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels]
+            "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels,
+            "--linear", a.linear]
     for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
                         ("--device", a.device)):
         if value is not None:

@@ -21,6 +21,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from .kernels.cpu_linear import use_skinny_linear
+
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """`count` target layer ids spread evenly over [1, L − 3] (the DFlash default)."""
@@ -197,6 +199,7 @@ class DFlashDrafter(nn.Module):
         # correctness (verification always uses the target's full distribution).
         self.register_buffer("draft_vocab", None if not cfg.draft_vocab_size else
                              torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        use_skinny_linear(self)  # a draft is a 16-row product per matrix: kernels.cpu_linear
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""
