@@ -232,6 +232,15 @@ def live_view(run: dict, phase: str, with_figures: bool) -> View:
     return view
 
 
+def stopped_view(run: dict, device: str) -> View:
+    """The page after Stop: the rounds so far stay browsable and exportable; the next Run starts afresh."""
+    if not _records(run):
+        return View(stats="stopped before the first round", message="", state=run)
+    view = full_view(run, device)
+    view.message = "Stopped. The rounds so far can be browsed and exported."
+    return view
+
+
 def _blank(message: str = "") -> View:
     empty = figures.empty_figure
     return View(text=figures.tokens_html([]), stats="", message=error_box(message), tree=empty("draft tree"),
@@ -275,7 +284,8 @@ class Handlers:
         last_text = last_figures = 0.0
         try:
             for phase, rec in execute(self.runtime, run, ids, cfg, bool(baseline), state):
-                if run["status"] != "running":  # Stop was pressed: its handler drew the final view
+                if run["status"] != "running":  # Stop was pressed: the final view is drawn here, by the
+                    yield stopped_view(run, device).values()  # one writer of the page (no race with Stop)
                     return
                 now = time.perf_counter()
                 if now - last_text >= TEXT_EVERY_S and not rec["finished"]:
@@ -304,14 +314,14 @@ class Handlers:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return View(message=warn(f"cannot draw round {index}: {exc}")).values()
 
-    def stopped(self, state, device) -> list:
-        """After Stop: the last streamed rounds stay browsable; the next Run starts from scratch."""
-        if not _records(state):
-            return View(stats="stopped before the first round", message="").values()
-        state["status"] = "stopped" if state["status"] == "running" else state["status"]
-        view = full_view(state, device)
-        view.message = "Stopped. The rounds so far can be browsed and exported."
-        return view.values()
+    def stopped(self, state) -> list:
+        """Stop: flag the running run; its generator draws the final view at its next round and ends.
+
+        Nothing is drawn here: a view sent from this handler could reach the page before a live update
+        the generator already had on its way, and the page would say "running" after a stop."""
+        if isinstance(state, dict) and state.get("status") == "running":
+            state["status"] = "stopped"
+        return View().values()
 
     def export(self, state):
         """Write the session's run to a JSON file and show it for download."""

@@ -104,9 +104,10 @@ def _wire(handlers: Handlers, c: dict) -> None:
     view = [c[name] for name in VIEW_FIELDS]
     settings = [c[k] for k in ("prompt", "strategy", "budget", "temperature", "top_p", "max_new_tokens", "seed",
                                "baseline", "device", "state")]
-    running = c["run"].click(handlers.run, settings, view, api_name="run", api_visibility="undocumented",
+    c["run"].click(handlers.run, settings, view, api_name="run", api_visibility="undocumented",
                              concurrency_id="model", concurrency_limit=1, show_progress="minimal")
-    c["stop"].click(handlers.stopped, [c["state"], c["device"]], view, cancels=[running], api_visibility="private")
+    # no `cancels`: Stop only flags the run, whose generator ends after drawing the final view itself
+    c["stop"].click(handlers.stopped, [c["state"]], view, api_visibility="private")
     redraw = dict(fn=handlers.show_round, inputs=[c["state"], c["scrubber"], c["device"]], outputs=view,
                   show_progress="hidden", trigger_mode="always_last")
     c["scrubber"].input(**redraw, api_name="show_round", api_visibility="undocumented")

@@ -197,10 +197,12 @@ def test_stop_leaves_the_session_usable():
     gen = handlers.run(*args)
     first = [dict(zip(VIEW_FIELDS, next(gen))) for _ in range(2)]
     state = first[-1]["state"]
-    gen.close()  # what a cancel does to the handler
+    assert all(v == gr.skip() for v in handlers.stopped(state))  # Stop only flags the run
+    rest = [dict(zip(VIEW_FIELDS, v)) for v in gen]  # the generator draws the final view and ends
     assert not rt.lock.locked()
-    view = dict(zip(VIEW_FIELDS, handlers.stopped(state, THIS_MACHINE)))
-    assert view["state"]["status"] in ("stopped", "finished") and view["scrubber"] is not None
+    assert rest[-1]["state"]["status"] == "stopped" and rest[-1]["message"].startswith("Stopped")
+    assert rest[-1]["scrubber"] is not None
+    assert all(v == gr.skip() for v in handlers.stopped(rest[-1]["state"]))  # nothing to stop: no change
     final = [dict(zip(VIEW_FIELDS, v)) for v in handlers.run(*args[:-1], state)][-1]
     assert final["state"]["status"] == "finished" and final["message"] == ""
 
