@@ -269,8 +269,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
-    machine["linear"] = ("fast (kernels.cpu_linear)" if any(isinstance(m, SkinnyLinear) for m in engine.target.model.modules())
-                         else "stock (F.linear)")
+    fast = any(isinstance(m, SkinnyLinear) for m in engine.target.model.modules())
+    machine["linear"] = "fast: kernels.cpu_linear for few-row CPU fp32 products" if fast else "stock: F.linear"
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,

@@ -292,10 +292,10 @@ def _fit_line(points: list[tuple[float, float, float]], alpha_prior: float, ridg
 class RowPadding:
     """Which row count to run a verification of n nodes as: the cheapest measured count m ≥ n.
 
-    A forward over m rows is not monotone in m on every device. On a 2-core CPU, torch's fp32
-    matrix products over 2–3 rows take a matrix-vector path per row, each re-reading the weights,
-    while 4+ rows take a blocked GEMM that reads them once: the embedded target verifies 3 rows in
-    117 ms and 5 in 75 ms (bench/NOTES.md). Padding the tree with dummy rows up to the cheapest count
+    A forward over m rows is not monotone in m on every device. On a 2-core CPU with torch's own
+    ``F.linear``, MKL's fp32 products over 2–3 rows were slower than over 4+: the embedded target
+    verified 3 rows in 117 ms and 5 in 75 ms (bench/NOTES.md). ``kernels.cpu_linear`` removed most of
+    that shape effect; what is left (and any other device's) is measured, not assumed. Padding the tree with dummy rows up to the cheapest count
     at or above it turns the measured curve t(m) into its monotone lower envelope
 
         t_eff(n) = min_{m ≥ n} t(m),   padded(n) = the m that attains it,

@@ -42,6 +42,7 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert {"machine", "command", "strategies", "categories", "prompts"} <= set(res)
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
+    assert res["machine"]["linear"].startswith("fast") and "--linear fast" in res["command"]
     padding = res["machine"]["row_padding"]  # measured in the first drafting warm-up
     assert len(padding["padded"]) == len(padding["seconds"]) > 1
     assert all(m >= n for n, m in enumerate(padding["padded"], 1))
