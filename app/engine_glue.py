@@ -51,6 +51,7 @@ def calib_snapshot(latency: LatencyModel, padding: RowPadding | None = None) -> 
     with the row padding the engine verifies with."""
     return {"compute": asdict(latency.compute), "memory": asdict(latency.memory),
             "draft_s": latency.draft_s, "overhead_s": latency.overhead_s,
+            "shape": {str(s): round(r, 5) for s, r in sorted(latency.shape.items())},
             "padded": list(padding.padded) if padding is not None else []}
 
 

@@ -280,8 +280,7 @@ class Engine:
                     best[s] = min(best[s], t.verify)
         target.reset()
         self.padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
-        for s in sorted(set(self.padding.padded) | set(sizes)):
-            self.latency.observe(s, context, best[s])
+        self.latency.observe_many([(s, context, best[s]) for s in sorted(set(self.padding.padded) | set(sizes))])
 
     def prepare(self, cfg: GenerationConfig) -> None:
         """One-time work a run needs before its clock starts: a drafting run on an engine that has not

@@ -12,7 +12,11 @@ device's peak rate F and bandwidth B: T_comp = FLOPs / F, T_mem = Bytes / B, and
     C(s, c) = max(α_c·T_comp + β_c,  α_m·T_mem + β_m),   α, β ≥ 0.
 
 α and β start from the analytic prior (α = 1, β set by the first measurement) and are refitted
-after every timed verification. Where the measured cost is not monotone in s (small matrix products
+after every timed verification. Two lines cannot follow a curve with kinks — on a CPU the matrix
+routine changes with the row count (the embedded target, 2 cores: 4 rows 47 ms, 5 rows 60 ms, 9 rows
+67 ms) — so each row count s also keeps a running ratio ρ(s) of measured to roofline time
+(interpolated between the counts seen, 1 until any is seen), and the prediction is ρ(s)·C(s, c).
+On a GPU, where the curve is smooth, ρ stays near 1. Where the measured cost is not monotone in s (small matrix products
 on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or above its size, so C is
 fitted and used on the monotone envelope.
 """
@@ -172,6 +176,8 @@ class LatencyModel:
     ridge: float = 0.05
     samples: list[tuple[int, int, float]] = field(default_factory=list)
     calibrated: bool = False
+    shape: dict[int, float] = field(default_factory=dict)  # ρ(s): running measured / roofline per row count
+    shape_rate: float = 0.2
 
     # ------------------------------------------------------------- prediction
     def t_comp(self, s: int, c: int) -> float:
@@ -180,10 +186,27 @@ class LatencyModel:
     def t_mem(self, s: int, c: int) -> float:
         return self.model.bytes(s, c) / self.hardware.bandwidth
 
-    def predict(self, s: int, c: int) -> float:
-        """C(s, c) in seconds."""
+    def roofline(self, s: int, c: int) -> float:
+        """The calibrated two-branch roofline C(s, c) in seconds, before the per-size ratio."""
         return max(self.compute.alpha * self.t_comp(s, c) + self.compute.beta,
                    self.memory.alpha * self.t_mem(s, c) + self.memory.beta)
+
+    def shape_factor(self, s: int) -> float:
+        """ρ(s): the learned ratio at s, linear between the nearest sizes seen, the nearest one's beyond."""
+        if not self.shape:
+            return 1.0
+        if s in self.shape:
+            return self.shape[s]
+        lo = max((k for k in self.shape if k < s), default=None)
+        hi = min((k for k in self.shape if k > s), default=None)
+        if lo is None or hi is None:
+            return self.shape[hi if lo is None else lo]
+        w = (s - lo) / (hi - lo)
+        return (1.0 - w) * self.shape[lo] + w * self.shape[hi]
+
+    def predict(self, s: int, c: int) -> float:
+        """Predicted verification seconds of s rows after c context tokens: ρ(s)·C(s, c)."""
+        return self.shape_factor(s) * self.roofline(s, c)
 
     def round_overhead(self) -> float:
         """T_d + T_o: the part of a round that does not grow with the tree."""
@@ -198,6 +221,17 @@ class LatencyModel:
         self.samples.append((int(s), int(c), float(seconds)))
         del self.samples[:-self.window]
         self._refit()
+        ratio = seconds / max(self.roofline(s, c), 1e-12)
+        old = self.shape.get(int(s))
+        self.shape[int(s)] = ratio if old is None else old + self.shape_rate * (ratio - old)
+
+    def observe_many(self, points: list[tuple[int, int, float]]) -> None:
+        """Several timings at once (the engine's probe): one refit, then every ρ(s) set afresh against
+        it (fed one by one, the first sizes' ratios would be taken against an early fit)."""
+        for s, c, seconds in points:
+            self.observe(s, c, seconds)
+        for s, c, seconds in points:
+            self.shape[int(s)] = seconds / max(self.roofline(s, c), 1e-12)
 
     def observe_overheads(self, draft_s: float | None, overhead_s: float, rate: float = 0.2) -> None:
         """Exponential running averages of T_d and T_o. ``draft_s`` None: the round drafted nothing
@@ -240,7 +274,8 @@ class LatencyModel:
         return {"model": asdict(self.model), "hardware": asdict(self.hardware),
                 "compute": asdict(self.compute), "memory": asdict(self.memory),
                 "draft_s": self.draft_s, "overhead_s": self.overhead_s,
-                "samples": self.samples, "calibrated": self.calibrated}
+                "samples": self.samples, "calibrated": self.calibrated,
+                "shape": {str(s): r for s, r in sorted(self.shape.items())}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyModel":
@@ -248,6 +283,7 @@ class LatencyModel:
                  _Branch(**d["memory"]), float(d.get("draft_s", 0.0)), float(d.get("overhead_s", 0.0)))
         lm.samples = [tuple(x) for x in d.get("samples", [])]
         lm.calibrated = bool(d.get("calibrated", bool(lm.samples)))
+        lm.shape = {int(s): float(r) for s, r in d.get("shape", {}).items()}  # JSON keys are strings
         return lm
 
     def save(self, path: str | Path) -> None:

@@ -117,3 +117,28 @@ def test_row_padding_takes_the_cheapest_nearby_row_count():
     assert pad.padded == [1, 2, 3]
     pad = RowPadding.from_times([1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.5])  # a fluke far away is out of reach
     assert pad.padded == [1, 2, 3, 7, 7, 7, 7]
+
+
+def test_per_size_ratio_follows_a_kinked_curve():
+    """A CPU-like curve with a step (4 → 5 rows) that two lines cannot fit: ρ(s) learns it."""
+    lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9))
+
+    def truth(s):
+        return 0.035 + 0.004 * (s - 1) + (0.013 if s >= 5 else 0.0)
+
+    sizes = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32]
+    lm.observe_many([(s, 100, truth(s)) for s in sizes])
+    rng = random.Random(1)
+    for _ in range(100):
+        s = rng.choice(sizes)
+        lm.observe(s, 100, truth(s) * (1 + rng.gauss(0, 0.02)))
+    for s in sizes:
+        assert abs(lm.predict(s, 100) - truth(s)) / truth(s) < 0.05, s
+    assert lm.predict(5, 100) > 1.2 * lm.predict(4, 100)  # the step is kept, not smoothed away
+    assert min(lm.shape[s] for s in sizes) < 1.0 < max(lm.shape[s] for s in sizes)
+    # unseen sizes interpolate between their neighbours; beyond the last seen, its ratio
+    assert min(lm.shape[8], lm.shape[12]) <= lm.shape_factor(10) <= max(lm.shape[8], lm.shape[12])
+    assert lm.shape_factor(64) == lm.shape[32]
+    back = LatencyModel.from_dict(lm.to_dict())
+    assert back.shape == lm.shape and back.predict(5, 100) == lm.predict(5, 100)
+    assert LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9)).shape_factor(7) == 1.0
