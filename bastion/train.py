@@ -87,9 +87,10 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
         enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
         ids, att = _left_pad(enc, pad)
         width = ids.shape[1]
-        torch.manual_seed(seed * 100_003 + r)
-        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
-                             temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
+        with torch.random.fork_rng(devices=[]):  # HF samples from torch's global RNG: leave the caller's alone
+            torch.manual_seed(seed * 100_003 + r)
+            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
+                                 temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
         for g in gen.tolist():
             for q in parse_requests(tok.decode(g, skip_special_tokens=True)):
                 if q not in seen and q not in exclude and len(out) < n:

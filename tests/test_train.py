@@ -66,8 +66,11 @@ def test_make_requests_fails_loudly_when_the_model_cannot_write_requests():
 
     target = tiny_target(dtype=torch.float32)
     target.tokenizer = _CharTokenizer()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
     with pytest.raises(RuntimeError, match="usable requests of 50 in 1 rounds"):
         make_requests(target, 50, batch=4, max_new_tokens=8, max_rounds=1)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is left as it was
 
 
 @pytest.mark.slow
