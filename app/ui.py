@@ -105,7 +105,7 @@ def _wire(handlers: Handlers, c: dict) -> None:
     settings = [c[k] for k in ("prompt", "strategy", "budget", "temperature", "top_p", "max_new_tokens", "seed",
                                "baseline", "device", "state")]
     c["run"].click(handlers.run, settings, view, api_name="run", api_visibility="undocumented",
-                             concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+                   concurrency_id="model", concurrency_limit=1, show_progress="minimal")
     # no `cancels`: Stop only flags the run, whose generator ends after drawing the final view itself
     c["stop"].click(handlers.stopped, [c["state"]], view, api_visibility="private")
     redraw = dict(fn=handlers.show_round, inputs=[c["state"], c["scrubber"], c["device"]], outputs=view,

@@ -9,11 +9,13 @@ is developed on. Measured there (2 threads, fp32, SmolLM2-135M's LM head W [4915
     F.linear(x, W)        10.0   23.2   16.8   16.3   19.2   25.3
     (W @ xᵀ)ᵀ             10.0    3.3    5.2    7.7   14.4   19.0
     oneDNN linear          5.1    5.6    6.2    7.6    9.8   12.8
+    skinny_linear          4.2    3.7    5.9    8.0    9.0   13.5   (another run)
 
 One row goes to sgemv, which streams W at ~10 GB/s; the same product as a two-column gemm streams it
 at ~30 GB/s. So: 1–4 rows as (W xᵀ)ᵀ (one row duplicated into two columns), 5–64 rows through
 oneDNN's linear on the plain weight, more rows (prefill, training batches) through ``F.linear``.
-A whole SmolLM2-135M forward: 1 row 59 → 39 ms, 12 rows 86 → 71 ms, 16 rows 95 → 80 ms.
+A whole SmolLM2-135M forward after 300 tokens: 1 row 59 → 33 ms, 12 rows 86 → 67 ms, 16 rows
+95 → 72 ms (bench/NOTES.md).
 
 Every path computes the same product in float32; only the rounding of the sums differs (≤ 1e-6
 relative), as it already does between row counts inside MKL. Only CPU float32 tensors without
