@@ -16,8 +16,8 @@ after every timed verification. Two lines cannot follow a curve with kinks — o
 routine changes with the row count (the embedded target, 2 cores: 4 rows 47 ms, 5 rows 60 ms, 9 rows
 67 ms) — so each row count s also keeps a running ratio ρ(s) of measured to roofline time
 (interpolated between the counts seen, 1 until any is seen), and the prediction is ρ(s)·C(s, c).
-On a GPU, where the curve is smooth, ρ stays near 1. Where the measured cost is not monotone in s (small matrix products
-on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or above its size, so C is
+On a GPU, where the curve is smooth, ρ stays near 1. Where the measured cost is not monotone in s
+(small matrix products on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or above its size, so C is
 fitted and used on the monotone envelope.
 """
 
@@ -226,8 +226,9 @@ class LatencyModel:
         self.shape[int(s)] = ratio if old is None else old + self.shape_rate * (ratio - old)
 
     def observe_many(self, points: list[tuple[int, int, float]]) -> None:
-        """Several timings at once (the engine's probe): one refit, then every ρ(s) set afresh against
-        it (fed one by one, the first sizes' ratios would be taken against an early fit)."""
+        """Several timings at once (the engine's probe): observed in turn, then every ρ(s) set afresh
+        against the final fit (left as observed, the first sizes' ratios would be taken against an
+        early fit)."""
         for s, c, seconds in points:
             self.observe(s, c, seconds)
         for s, c, seconds in points:
@@ -331,8 +332,9 @@ class RowPadding:
     A forward over m rows is not monotone in m on every device. On a 2-core CPU with torch's own
     ``F.linear``, MKL's fp32 products over 2–3 rows were slower than over 4+: the embedded target
     verified 3 rows in 117 ms and 5 in 75 ms (bench/NOTES.md). ``kernels.cpu_linear`` removed most of
-    that shape effect; what is left (and any other device's) is measured, not assumed. Padding the tree with dummy rows up to the cheapest count
-    at or above it turns the measured curve t(m) into its monotone lower envelope
+    that shape effect; what is left (and any other device's) is measured, not assumed. Padding the
+    tree with dummy rows up to the cheapest count at or above it turns the measured curve t(m) into
+    its monotone lower envelope
 
         t_eff(n) = min_{m ≥ n} t(m),   padded(n) = the m that attains it,
 
