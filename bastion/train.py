@@ -1,4 +1,4 @@
-"""Self-distillation of a DFlash drafter for a target, on CPU, resumable.
+"""Self-distillation of a DFlash drafter for a target, on CPU (or one GPU), resumable.
 
     python -m bastion.train data  --out DIR [--corpus base|broad|self] [--prompts N] [--batch 32] [--max-new-tokens 160]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
@@ -8,6 +8,8 @@
 writes itself, see ``make_requests``) → the target's own greedy
 continuations, generated in batches (batching is what makes this affordable on 2 cores), plus the
 feature-layer hidden states of every token, written in shards; finished shards are never redone.
+``--no-features`` stores token ids only (a few MB instead of GBs); ``fit --live-features`` then runs
+the target on every batch instead (the sensible split on a GPU, where that forward is cheap).
 
 ``fit``: random anchor positions a in the response; context = target features of tokens < a;
 block = [x_a, MASK × (B−1)]; labels = x_{a+1..a+B−1}. Loss = Σ_k w_k·CE_k with w_k = exp(−(k−1)/γ)
@@ -25,6 +27,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +89,10 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
         cats = [REQUEST_CATEGORIES[(r * batch + i) % len(REQUEST_CATEGORIES)] for i in range(batch)]
         enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
         ids, att = _left_pad(enc, pad)
+        ids, att = ids.to(target.device), att.to(target.device)
         width = ids.shape[1]
-        with torch.random.fork_rng(devices=[]):  # HF samples from torch's global RNG: leave the caller's alone
+        # HF samples from torch's global RNG (the device's, on a GPU): leave the caller's alone
+        with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + r)
             gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
                                  temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
@@ -124,21 +129,23 @@ def _requests_file(target: Target, out: Path, n: int, seed: int, batch: int = 64
 
 @torch.inference_mode()
 def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tokens: int, layer_ids: list[int],
-              seed: int = 0, corpus: str = "base") -> None:
+              seed: int = 0, corpus: str = "base", features: bool = True) -> None:
+    """Write shards of {ids, prompt_len[, feats]} records (see the module docstring); ``features=False``
+    stores token ids only, for ``fit --live-features``."""
     out.mkdir(parents=True, exist_ok=True)
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
     meta = {"layer_ids": layer_ids, "prompts": n_prompts, "max_new_tokens": max_new_tokens, "batch": batch,
-            "corpus": corpus, "seed": seed}
+            "corpus": corpus, "seed": seed, "features": features}
     old = out / "meta.json"
     if old.is_file() and any(out.glob("shard_*.pt")):
         prev = json.loads(old.read_text())
-        before = {"corpus": "base", "seed": 0} | prev  # folders made before these keys existed
-        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if before.get(k) != meta[k]]
+        before = {"corpus": "base", "seed": 0, "features": True} | prev  # folders made before these keys existed
+        clash = [k for k in ("layer_ids", "corpus", "seed", "batch", "features") if before.get(k) != meta[k]]
         if clash:  # finished shards would silently belong to another prompt list
             raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
     if corpus == "self":
-        prompts = _requests_file(target, out, n_prompts, seed)
+        prompts = _requests_file(target, out, n_prompts, seed, batch=batch)
     else:
         prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set(), corpus=corpus)
     (out / "meta.json").write_text(json.dumps(meta | {"prompts": len(prompts)}))
@@ -154,6 +161,7 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         chunk = prompts[s * batch:(s + 1) * batch]
         enc = [encode_prompt(tok, p) for p in chunk]
         ids, att = _left_pad(enc, pad)
+        ids, att = ids.to(target.device), att.to(target.device)
         width = ids.shape[1]
         gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad)[:, width:]
@@ -164,9 +172,11 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         L = max(map(len, seqs))
         full = torch.tensor([q + [pad] * (L - len(q)) for q in seqs])
         fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q in seqs])
-        feats = target.batch_features(full, fmask)
-        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": len(e),
-                    "feats": feats[i, :len(q)].to(torch.float16).clone()} for i, (q, e) in enumerate(zip(seqs, enc))]
+        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": len(e)} for q, e in zip(seqs, enc)]
+        if features:
+            feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
+            for i, r in enumerate(records):
+                r["feats"] = feats[i, :len(r["ids"])].to(torch.float16).clone()
         _atomic_save(records, path)
         _progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
@@ -238,66 +248,91 @@ def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: s
     return torch.sort(torch.topk(score, size).indices).values
 
 
-def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random):
-    """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
+class Batch(NamedTuple):
+    """One training batch of r rows, A anchors each, blocks of B tokens, sequences padded to L."""
 
-    Returns feats [r, L, k·h], ctx_valid [r, L], block_ids [r, A·B], block_pos [r, A·B],
-    labels [r, A·(B−1)] (−100 = ignore), anchor_pos [r, A].
-    """
+    feats: torch.Tensor | None  # [r, L, k·h] context features (None: computed live from ids)
+    valid: torch.Tensor         # [r, L] bool: real tokens
+    block_ids: torch.Tensor     # [r, A·B] anchor token then MASK × (B−1), per block
+    block_pos: torch.Tensor     # [r, A·B] positions a..a+B−1
+    labels: torch.Tensor        # [r, A·(B−1)] next tokens x_{a+1..a+B−1} (−100 = ignore)
+    anchor_pos: torch.Tensor    # [r, A]
+    ids: torch.Tensor           # [r, L] token ids (0 at padding)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
+
+
+def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random) -> Batch:
+    """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
+    Records without "feats" give ``feats=None`` (features come from the target, ``live_features``)."""
     picks = [records[rng.randrange(len(records))] for _ in range(rows)]
     L = max(len(r["ids"]) for r in picks)
-    k_h = picks[0]["feats"].shape[1]
-    feats = torch.zeros(rows, L, k_h)
+    with_feats = all("feats" in r for r in picks)
+    feats = torch.zeros(rows, L, picks[0]["feats"].shape[1]) if with_feats else None
+    ids = torch.zeros(rows, L, dtype=torch.long)
     valid = torch.zeros(rows, L, dtype=torch.bool)
-    block_ids = torch.full((rows, anchors * block), mask_id, dtype=torch.long)
-    block_pos = torch.zeros(rows, anchors * block, dtype=torch.long)
-    labels = torch.full((rows, anchors * (block - 1)), -100, dtype=torch.long)
+    # labels read from ids shifted by one; past the end of a sequence they are −100
+    lab_src = torch.full((rows, L + block), -100, dtype=torch.long)
     anchor_pos = torch.zeros(rows, anchors, dtype=torch.long)
     for i, r in enumerate(picks):
-        ids, n = r["ids"].long(), len(r["ids"])
-        feats[i, :n] = r["feats"].float()
+        n = len(r["ids"])
+        ids[i, :n] = r["ids"].long()
+        lab_src[i, :n] = ids[i, :n]
         valid[i, :n] = True
+        if feats is not None:
+            feats[i, :n] = r["feats"].float()
         lo, hi = max(r["prompt_len"] - 1, 0), n - 2
         for j in range(anchors):
-            a = rng.randint(lo, hi) if hi >= lo else lo
-            anchor_pos[i, j] = a
-            block_ids[i, j * block] = ids[a]
-            block_pos[i, j * block:(j + 1) * block] = torch.arange(a, a + block)
-            tgt = ids[a + 1:a + block]
-            labels[i, j * (block - 1):j * (block - 1) + len(tgt)] = tgt
-    return feats, valid, block_ids, block_pos, labels, anchor_pos
+            anchor_pos[i, j] = rng.randint(lo, hi) if hi >= lo else lo
+    offsets = torch.arange(block)
+    block_pos = (anchor_pos[:, :, None] + offsets).reshape(rows, anchors * block)
+    block_ids = torch.full((rows, anchors, block), mask_id, dtype=torch.long)
+    block_ids[:, :, 0] = ids.gather(1, anchor_pos)
+    labels = lab_src.gather(1, (anchor_pos[:, :, None] + 1 + offsets[:block - 1]).reshape(rows, -1))
+    return Batch(feats, valid, block_ids.reshape(rows, anchors * block), block_pos, labels, anchor_pos, ids)
+
+
+def live_features(target: Target, batch: Batch) -> Batch:
+    """The batch with ``feats`` computed by the target from its ids (on the target's device)."""
+    feats = target.batch_features(batch.ids, batch.valid.long())
+    return batch._replace(feats=feats.float().clone())  # clone: a normal tensor, not an inference one
 
 
 def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype) -> torch.Tensor:
     """Additive mask [r, 1, A·B, L + A·B]: block j sees context < a_j and its own B tokens."""
     r, L = valid.shape
     A = anchor_pos.shape[1]
-    cols = torch.arange(L)
-    ctx_ok = (cols[None, None, :] < anchor_pos[:, :, None]) & valid[:, None, :]           # [r, A, L]
+    cols = torch.arange(L, device=valid.device)
+    ctx_ok = (cols[None, None, :] < anchor_pos[:, :, None].to(valid.device)) & valid[:, None, :]   # [r, A, L]
     ctx_ok = ctx_ok.repeat_interleave(block, dim=1)                                        # [r, A·B, L]
-    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * A)[None].expand(r, -1, -1)
-    ok = torch.cat([ctx_ok, own], dim=2)
-    mask = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)
+    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool, device=valid.device)] * A)
+    ok = torch.cat([ctx_ok, own[None].expand(r, -1, -1)], dim=2)
+    mask = torch.zeros(ok.shape, dtype=dtype, device=valid.device).masked_fill(~ok, torch.finfo(dtype).min)
     return mask[:, None]
 
 
-def train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, bf16: bool = False,
+def train_step(drafter: DFlashDrafter, target: Target, batch: Batch, gamma: float, bf16: bool = False,
                loss_depths: int | None = None):
     """Weighted block cross-entropy of one batch; returns (loss, per-depth top-1 accuracy, mean
-    accepted chain length under teacher forcing). ``bf16`` runs the matrix products under CPU
-    autocast (about 2× faster on CPUs with AVX512-BF16); weights and the loss stay in fp32."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    accepted chain length under teacher forcing). ``bf16`` runs the matrix products under autocast
+    on the batch's device (about 2× faster on CPUs with AVX512-BF16, far more on a GPU); weights and
+    the loss stay in fp32. A batch without features gets them from the target first."""
+    with torch.autocast(batch.valid.device.type, dtype=torch.bfloat16, enabled=bf16):
+        if batch.feats is None:
+            batch = live_features(target, batch)
         return _train_step(drafter, target, batch, gamma, loss_depths)
 
 
 def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, loss_depths: int | None):
     """``loss_depths`` D ≤ B−1 trains only depths 1..D: the LM head over V dominates the cost, and
     deep depths carry little weight in the acceptance length, so this buys more anchors per second."""
-    feats, valid, block_ids, block_pos, labels, anchor_pos = batch
+    feats, valid, block_ids, block_pos, labels, anchor_pos, _ = batch
+    dev = valid.device
     B = drafter.block_size
     D = min(loss_depths or B - 1, B - 1)
     r, L = valid.shape
-    ctx_pos = torch.arange(L)[None].expand(r, -1)
+    ctx_pos = torch.arange(L, device=dev)[None].expand(r, -1)
     ctx_kv = drafter.context_kv(feats, ctx_pos)
     x = target.embed(block_ids).detach()
     hidden = drafter.blocks(x, block_pos, ctx_kv, block_mask(valid, anchor_pos, B, x.dtype))
@@ -311,12 +346,12 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
         col = lab
     else:  # logits over the draft vocabulary; labels outside it cannot be hit (no loss, counted as misses)
         logits = target.lm_head(hidden, vocab).float()
-        inv = torch.full((target.vocab_size,), -100, dtype=torch.long)
-        inv[vocab] = torch.arange(len(vocab))
+        inv = torch.full((target.vocab_size,), -100, dtype=torch.long, device=dev)
+        inv[vocab] = torch.arange(len(vocab), device=dev)
         col = torch.where(ok, inv[lab.clamp(min=0)], -100)
     ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), col.reshape(-1), reduction="none").view(r, A, D)
     trained = col != -100
-    w = torch.exp(-torch.arange(D, dtype=torch.float32) / gamma)
+    w = torch.exp(-torch.arange(D, dtype=torch.float32, device=dev) / gamma)
     loss = (ce * trained * w).sum() / (trained * w).sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = (logits.argmax(-1).view(r, A, D) == col) & trained
@@ -329,7 +364,12 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
 def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
         layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
-        init: Path | None = None, draft_vocab: int | None = None) -> None:
+        init: Path | None = None, draft_vocab: int | None = None, live: bool = False) -> None:
+    """Train (or resume) a drafter on the data folders; runs on the target's device.
+
+    ``live``: context features come from the target on every batch (``live_features``) instead of
+    the shards, which then need only token ids (``data --no-features``)."""
+    device = target.device
     metas = []
     for d in data:
         if not (d / "meta.json").is_file():
@@ -339,7 +379,14 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         raise ValueError("the --data folders were made with different feature layers: "
                          + ", ".join(f"{d}: {m['layer_ids']}" for d, m in zip(data, metas)))
     meta = metas[0]
-    records = load_shards(data)
+    if not live:
+        no_feats = [str(d) for d, m in zip(data, metas) if not m.get("features", True)]
+        if no_feats:
+            raise ValueError(f"{', '.join(no_feats)} hold token ids only (data --no-features): "
+                             "train with --live-features")
+    else:
+        target.set_feature_layers(meta["layer_ids"])
+    records = load_shards(data, ids_only=live)
     n_shards = _count_shards(data)
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
     for p in target.model.parameters():
@@ -353,13 +400,17 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
                              f"the data has {meta['layer_ids']}")
     else:
         drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
+    vocab_ids = drafter.draft_vocab
+    drafter.to(device)
+    drafter.set_draft_vocab(vocab_ids)  # a plain attribute: .to() does not move it
     from .engine import stop_token_ids
     stops = stop_token_ids(target.tokenizer, target.model.generation_config)
 
     def fit_vocab(size: int) -> None:
         # the vocabulary only selects rows of the (frozen) LM head: it can be refitted as data grows
         drafter.set_draft_vocab(build_draft_vocab(records, size, target.vocab_size, stops))
-        covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), drafter.draft_vocab).sum()) for r in records)
+        vocab_cpu = drafter.draft_vocab.cpu()
+        covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), vocab_cpu).sum()) for r in records)
         total = sum(len(r["ids"]) - r["prompt_len"] for r in records)
         print(f"\ndraft vocabulary: {size} ids cover {covered / max(total, 1):.2%} of response tokens", file=sys.stderr)
 
@@ -369,7 +420,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
                             betas=(0.9, 0.95))
     step, log, rng = 0, [], random.Random(seed)
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, map_location="cpu", weights_only=False)
         drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
         drafter.load_state_dict(st["drafter"])
         opt.load_state_dict(st["opt"])
@@ -387,7 +438,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.05)
-        batch = make_batch(records, rows, anchors, block, mask_token_id, rng)
+        batch = make_batch(records, rows, anchors, block, mask_token_id, rng).to(device)
         loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -401,7 +452,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
             # the data job may still be writing shards: train on everything finished so far
             # (the old list is dropped first: holding both doubles the peak memory)
             records = None
-            records = load_shards(data)
+            records = load_shards(data, ids_only=live)
             n_shards = _count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
             if drafter.draft_vocab is not None:
@@ -427,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
     d.add_argument("--corpus", choices=CORPORA, default="base", help="which prompt templates (bastion.corpus)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-features", action="store_true",
+                   help="store token ids only (train them with fit --live-features)")
     f = sub.add_parser("fit", help="train the drafter on generated data")
     f.add_argument("--data", type=Path, required=True, action="append", help="data folder (repeatable)")
     f.add_argument("--ckpt", type=Path, required=True)
@@ -445,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
     f.add_argument("--draft-vocab", type=int, default=0,
                    help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
+    f.add_argument("--live-features", action="store_true",
+                   help="run the target on every batch for its features instead of reading them from the shards")
     c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
     c.add_argument("--ckpt", type=Path, required=True, action="append",
                    help="checkpoint folder; repeat to draw a lineage of warm-started runs end to end")
@@ -452,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (d, f):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+        p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
     a = ap.parse_args(argv)
     if a.cmd == "plot":
         log, starts = read_logs(a.ckpt)
@@ -459,16 +515,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target(a.model, torch.float32, "cpu")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        ap.error(f"--device {a.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
+    target = load_target(a.model, torch.float32, str(device))
     if a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
-                  spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus)
+                  spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
+                  features=not a.no_features)
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
-            draft_vocab=a.draft_vocab or None)
+            draft_vocab=a.draft_vocab or None, live=a.live_features)
     return 0
 
 

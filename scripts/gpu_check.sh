@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the Triton verification kernels, in one short call on a CUDA machine:
-#   1. tests/test_kernels.py on the GPU (compiled Triton vs the torch references, the @gpu test too),
+#   1. tests/test_kernels.py and tests/test_gpu.py on the GPU (compiled Triton vs the torch
+#      references; every strategy equal to AR and one sampled stream for all strategies on CUDA;
+#      a live-feature training run),
 #   2. scripts/gpu_kernel_bench.py: every kernel timed against its torch reference at
 #      n in {16, 64, 256}, V in {49152, 151936}; prints a markdown table, fails on a mismatch.
 # Usage: scripts/gpu_check.sh   (PYTHON=/path/to/python to pick the interpreter)
@@ -28,8 +30,10 @@ import torch, triton
 print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
 EOF
 
-echo "== kernel tests on CUDA =="
-timeout 420 "$PY" -m pytest tests/test_kernels.py -q -x -p no:cacheprovider
+echo "== kernel and engine tests on CUDA =="
+status=0
+timeout 300 "$PY" -m pytest tests/test_kernels.py tests/test_gpu.py -q -p no:cacheprovider || status=1
 
 echo "== kernel timings =="
-timeout 240 "$PY" scripts/gpu_kernel_bench.py --iters 20 --repeats 5
+timeout 120 "$PY" scripts/gpu_kernel_bench.py --iters 10 --repeats 3 || status=1
+exit $status

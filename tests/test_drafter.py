@@ -188,3 +188,35 @@ def test_build_draft_vocab_prefers_forced_then_frequent_then_low_ids():
     assert v.tolist() == sorted([96, 50, 60, 70, 0])
     with pytest.raises(ValueError, match="draft-vocab"):
         build_draft_vocab(recs, 0, 97)
+
+
+def test_live_features_equal_stored_ones_and_batch_layout():
+    """A batch built from ids-only records gets the same features from the target as the stored
+    ones; blocks, positions and labels follow the anchors."""
+    from bastion.train import live_features
+
+    torch.manual_seed(0)
+    target = tiny_target("llama", vocab=50, dtype=torch.float32, layers=4)
+    target.set_feature_layers([1, 2])
+    rng = random.Random(1)
+    records = []
+    for n, plen in ((9, 3), (14, 5), (6, 2)):
+        ids = torch.tensor([rng.randrange(50) for _ in range(n)])
+        feats = target.batch_features(ids[None], torch.ones(1, n, dtype=torch.long))[0]
+        records.append({"ids": ids.to(torch.int32), "prompt_len": plen, "feats": feats.clone()})
+    stored = make_batch(records, 5, 3, 4, 49, random.Random(7))
+    bare = make_batch([{k: v for k, v in r.items() if k != "feats"} for r in records], 5, 3, 4, 49, random.Random(7))
+    assert bare.feats is None
+    live = live_features(target, bare)
+    ok = stored.valid[..., None].expand_as(stored.feats)
+    torch.testing.assert_close(live.feats[ok], stored.feats[ok], rtol=1e-4, atol=1e-4)
+    for name in ("valid", "block_ids", "block_pos", "labels", "anchor_pos", "ids"):
+        assert torch.equal(getattr(live, name), getattr(stored, name)), name
+    for i in range(5):
+        n = int(stored.valid[i].sum())
+        seq = stored.ids[i, :n]
+        for j, a in enumerate(stored.anchor_pos[i].tolist()):
+            assert stored.block_ids[i, 4 * j] == seq[a] and (stored.block_ids[i, 4 * j + 1:4 * j + 4] == 49).all()
+            assert stored.block_pos[i, 4 * j:4 * j + 4].tolist() == [a, a + 1, a + 2, a + 3]
+            want = seq[a + 1:a + 4].tolist()
+            assert stored.labels[i, 3 * j:3 * j + 3].tolist() == want + [-100] * (3 - len(want))

@@ -120,3 +120,41 @@ def test_data_fit_resume_and_plot_on_the_embedded_target(tmp_path, capsys):
     both, starts = read_logs([ckpt, ckpt])
     assert [x["step"] for x in both] == [1, 2, 3, 4, 5, 6, 7, 8] and starts == [4]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_ids_only_data_trains_with_live_features(tmp_path):
+    """data --no-features stores token ids only; fit refuses it without --live-features and trains
+    on it with the target's features computed per batch."""
+    from bastion.drafter import load_drafter
+    from bastion.train import main
+
+    data, ckpt = tmp_path / "ids", tmp_path / "ckpt"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "6",
+                 "--no-features"] + common) == 0
+    (recs,) = [torch.load(p) for p in data.glob("shard_*.pt")]
+    assert len(recs) == 2 and all("feats" not in r for r in recs)
+    assert json.loads((data / "meta.json").read_text())["features"] is False
+    # the same folder with features would mix two kinds of shards
+    with pytest.raises(ValueError, match="other settings"):
+        main(["data", "--out", str(data), "--prompts", "4", "--batch", "2"] + common)
+    fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
+           "--ckpt-every", "1", "--steps", "2", "--export", str(tmp_path / "drafter")] + common
+    with pytest.raises(ValueError, match="--live-features"):
+        main(fit)
+    assert main(fit + ["--live-features"]) == 0
+    log = [json.loads(x) for x in (ckpt / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2] and all(x["loss"] > 0 for x in log)
+    assert load_drafter(tmp_path / "drafter", 576, 49152, 30).cfg.target_layer_ids == [1, 10, 18, 27]
+
+
+def test_train_cli_rejects_a_device_it_cannot_use(capsys):
+    from bastion.train import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "x", "--ckpt", "y", "--device", "tpu:0"])
+    assert "--device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["fit", "--data", "x", "--ckpt", "y", "--device", "cuda"])
+        assert "no CUDA GPU" in capsys.readouterr().err

