@@ -32,8 +32,8 @@ EOF
 
 echo "== kernel and engine tests on CUDA =="
 status=0
-timeout 300 "$PY" -m pytest tests/test_kernels.py tests/test_gpu.py -q -p no:cacheprovider || status=1
+timeout 200 "$PY" -m pytest tests/test_kernels.py tests/test_gpu.py -q -p no:cacheprovider || status=1
 
 echo "== kernel timings =="
-timeout 120 "$PY" scripts/gpu_kernel_bench.py --iters 10 --repeats 3 || status=1
+timeout 60 "$PY" scripts/gpu_kernel_bench.py --iters 10 --repeats 3 || status=1
 exit $status

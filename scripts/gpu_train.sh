@@ -35,7 +35,7 @@ if [[ -f "$W/export/model.safetensors" ]]; then
 fi
 
 echo "== bench on CUDA with $drafter =="
-timeout 170 "$PY" -m bastion bench --device cuda --drafter "$drafter" --prompts assets/eval_prompts.json \
+timeout 130 "$PY" -m bastion bench --device cuda --drafter "$drafter" --prompts assets/eval_prompts.json \
     --limit-per-category 2 --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
     --out "$W/gbench"
 echo "bench exit $?"
