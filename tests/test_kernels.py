@@ -101,6 +101,26 @@ def test_sample_with_thresholds(vocab, n, top_k, top_p):
         assert torch.equal(got, R.node_choice_torch(x, 0.0))
 
 
+@pytest.mark.parametrize("temperature", [1.1, 0.6])
+def test_tempering_probe_and_the_torch_fallback_reproduce_torch(temperature, monkeypatch):
+    """``_tempering`` measures how torch divides by T on the device (a true division on the CPU);
+    the measured mode and the "other" fallback (torch tempers, the kernel multiplies by 1) both give
+    the reference's samples bit for bit, the boundary token of a top-1 threshold included."""
+    monkeypatch.setattr(TK, "_TEMPERING", {})
+    measured = TK._tempering(DEV, temperature)
+    if DEV.type == "cpu":
+        assert measured == "divide"
+    x = _logits(48, 1000, seed=8)
+    top1 = R.filter_thresholds(x.float() / temperature, 1, None)
+    top3 = R.filter_thresholds(x.float() / temperature, 3, None)
+    for mode in (measured, "other"):
+        TK._TEMPERING[(DEV.type, DEV.index, temperature)] = mode
+        assert torch.equal(TK.node_choice(x, temperature, top1, seed=1), R.node_choice_torch(x, 0.0)), mode
+        for seed in range(3):
+            want = R.node_choice_torch(x, temperature, top3, seed=seed)
+            assert torch.equal(TK.node_choice(x, temperature, top3, seed=seed), want), mode
+
+
 @pytest.mark.parametrize("temperature", [0.7, 0.3, 1.1])
 def test_threshold_boundary_token_is_kept(temperature):
     # the k-th token sits exactly on its threshold: the kernel must temper the logits bit for bit

@@ -16,9 +16,13 @@
 
 Exactness notes (the Triton and torch samples must agree bit for bit):
 
-* Tempered logits: torch on CUDA divides by a Python scalar as ``x * (1 / float32(T))`` while torch
-  on the CPU does a true float32 division; the kernel does the same as torch on the tensor's device,
-  so a tempered logit equal to its top-k / top-p threshold is kept by both backends.
+* Tempered logits: the kernel must divide by T exactly as torch's ``logits.float() / T`` does on the
+  tensor's device, or a tempered logit equal to its top-k / top-p threshold is kept by one backend
+  and dropped by the other. Torch builds differ: some CUDA builds multiply by ``float32(1 / T)``,
+  others (and the CPU) divide. ``_tempering`` finds out once per device and temperature by running
+  torch's division on probe values, then picks the kernel's multiply or its correctly rounded
+  division; if neither reproduces torch bit for bit, torch tempers the logits and the kernel
+  multiplies by 1.
 * FP contraction is disabled for the sampling kernel (no fused multiply-add), so every float op is
   rounded as in torch's separate element-wise kernels; ``tl.log`` lowers to libdevice's ``logf``
   on NVIDIA GPUs, the function torch's CUDA ``log`` uses. Under the CPU interpreter, numpy's and
@@ -95,9 +99,9 @@ def _node_choice_kernel(logits_ptr, stride_row, thr_ptr, ctr_ptr, val_ptr, idx_p
         x = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if SAMPLE:
             if RECIPROCAL:
-                x = x * temp  # temp holds float32(1) / float32(T): torch's CUDA scalar division
+                x = x * temp  # temp holds float32(1) / float32(T) (see _tempering)
             else:
-                x = tl.div_rn(x, temp)  # torch's CPU scalar division: a true float32 division
+                x = tl.div_rn(x, temp)  # a correctly rounded float32 division by T
             if HAS_THR:
                 x = tl.where(x < thr, float("-inf"), x)
             h = _mix32(key ^ _mix32(cols.to(tl.uint32) + 0x9E3779B9))
@@ -144,6 +148,29 @@ def _choose_block_split(n: int, vocab: int, device: torch.device) -> tuple[int, 
     return block, split
 
 
+_TEMPERING: dict[tuple[str, int | None, float], str] = {}
+
+
+def _tempering(device: torch.device, temperature: float) -> str:
+    """How torch computes ``x / temperature`` for float32 x on ``device``: "reciprocal" (x times the
+    float32 reciprocal), "divide" (a correctly rounded division) or "other"; cached per device and T."""
+    key = (device.type, device.index, temperature)
+    if key not in _TEMPERING:
+        gen = torch.Generator().manual_seed(12345)
+        probe = (torch.randn(8192, generator=gen) * 16).to(device)
+        got = probe / temperature  # the expression callers use for the thresholds
+        t32 = torch.tensor(temperature, dtype=torch.float32)
+        inv = float(torch.tensor(1.0, dtype=torch.float32) / t32)
+        if torch.equal(got, probe * inv):
+            mode = "reciprocal"
+        elif torch.equal(got, (probe.double() / float(t32)).float()):  # float64 then round: exact for /
+            mode = "divide"
+        else:
+            mode = "other"
+        _TEMPERING[key] = mode
+    return _TEMPERING[key]
+
+
 def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
                  seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None, *, block: int | None = None,
                  split: int | None = None) -> torch.Tensor:
@@ -156,7 +183,11 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
     if vocab == 0:
         raise ValueError("node_choice needs a non-empty vocabulary")
     home = logits.device
-    reciprocal = home.type == "cuda"  # reproduce the division torch does on the logits' device
+    sample = temperature > 0.0
+    mode = _tempering(home, temperature) if sample else "reciprocal"
+    if mode == "other":  # torch tempers, the kernel multiplies by 1 (exact)
+        logits, temperature, mode = logits.float() / temperature, 1.0, "reciprocal"
+    reciprocal = mode == "reciprocal"
     logits = logits.to(_launch_device(home))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -169,7 +200,6 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
     chunk = triton.cdiv(triton.cdiv(vocab, max(1, split)), block) * block  # whole tiles per chunk
     split = triton.cdiv(vocab, chunk)
 
-    sample = temperature > 0.0
     if sample:
         t32 = torch.tensor(temperature, dtype=torch.float32)
         temp = float(torch.tensor(1.0, dtype=torch.float32) / t32) if reciprocal else float(t32)
