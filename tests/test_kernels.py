@@ -106,6 +106,8 @@ def test_tempering_probe_and_the_torch_fallback_reproduce_torch(temperature, mon
     """``_tempering`` measures how torch divides by T on the device (a true division on the CPU);
     the measured mode and the "other" fallback (torch tempers, the kernel multiplies by 1) both give
     the reference's samples bit for bit, the boundary token of a top-1 threshold included."""
+    # the two reciprocals differ at T = 1.1; torch 2.11 on an H200 used the second
+    assert TK._reciprocals(1.1) == {"reciprocal32": 0.9090908765792847, "reciprocal64": 0.9090909361839294}
     monkeypatch.setattr(TK, "_TEMPERING", {})
     measured = TK._tempering(DEV, temperature)
     if DEV.type == "cpu":
@@ -209,6 +211,21 @@ def test_uniform_stream_range():
     assert abs(float(u.mean()) - 0.5) < 0.005
     counts = torch.histc(u, bins=16, min=0.0, max=1.0)
     assert _chi2_pvalue(counts, torch.full((16,), 1 / 16)) > P_VALUE_THRESHOLD
+
+
+def test_extreme_hashes_stay_strictly_inside_the_unit_interval():
+    """The largest hash once mapped to u = 1.0 in float32 (k + 0.5 rounded up to 2^24): Gumbel noise
+    +inf, a token drawn whatever its probability, NaN under a top-k/top-p mask. Seen on an H200 as a
+    Triton/torch disagreement on one row of 256."""
+    h = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = R.bits_to_unit(h)
+    assert u.dtype == torch.float32
+    assert float(u.min()) == 2.0**-24 and float(u.max()) == 1.0 - 2.0**-24
+    gumbel = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(gumbel).all())
+    # the cells are exact midpoints: k + 0.5 survives float32 for every 23-bit k
+    k = h >> 9
+    assert torch.equal(u.double() * 2**23 - 0.5, k.double())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])

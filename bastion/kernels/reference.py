@@ -40,7 +40,7 @@ def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None,
     """Uniform variates u in (0, 1), float32 [n, vocab]: u[i, v] = hash(seed, r_i, v), where the
     row counter r_i = offset + i, or counters[i] when given (taken mod 2^32).
 
-    24 random bits per variate; (h + 0.5) / 2^24 keeps u strictly inside (0, 1).
+    23 random bits per variate: u = (k + 0.5) / 2^23 with k = h >> 9 (see ``bits_to_unit``).
     """
     if counters is not None:
         rows = counters.to(device=device, dtype=torch.int64) & _MASK32
@@ -49,7 +49,18 @@ def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None,
     cols = torch.arange(vocab, device=device, dtype=torch.int64)
     key = _mix32(_mix32(rows ^ (seed & _MASK32)) + ((seed >> 32) & _MASK32))
     h = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9)[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return bits_to_unit(h)
+
+
+def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """float32 u in [2^-24, 1 − 2^-24] from 32-bit hashes: (k + 0.5) · 2^-23 with k = h >> 9.
+
+    Every k + 0.5 < 2^23 is exact in float32 and the scale is a power of two, so u is exactly the
+    midpoint of k's cell and never 0 or 1. (With 24 bits, k + 0.5 for k = 2^24 − 1 rounds to 2^24:
+    u = 1, a Gumbel noise of +inf, and that token is drawn whatever its probability — or, masked by
+    top-k/top-p, −inf + inf = NaN. That happened for about one token in 2^24.)
+    """
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor | None:

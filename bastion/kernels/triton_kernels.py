@@ -18,11 +18,12 @@ Exactness notes (the Triton and torch samples must agree bit for bit):
 
 * Tempered logits: the kernel must divide by T exactly as torch's ``logits.float() / T`` does on the
   tensor's device, or a tempered logit equal to its top-k / top-p threshold is kept by one backend
-  and dropped by the other. Torch builds differ: some CUDA builds multiply by ``float32(1 / T)``,
-  others (and the CPU) divide. ``_tempering`` finds out once per device and temperature by running
-  torch's division on probe values, then picks the kernel's multiply or its correctly rounded
-  division; if neither reproduces torch bit for bit, torch tempers the logits and the kernel
-  multiplies by 1.
+  and dropped by the other. Torch on CUDA multiplies by a float32 reciprocal (torch 2.11 on an
+  H200: ``float32(1 / T)`` rounded once from float64; older sources show ``1 / float32(T)``), torch on
+  the CPU divides. ``_tempering`` finds out once per device and temperature by running torch's
+  division on probe values, then picks the kernel's multiply (by the matching reciprocal) or its
+  correctly rounded division; if none reproduces torch bit for bit, torch tempers the logits and the
+  kernel multiplies by 1.
 * FP contraction is disabled for the sampling kernel (no fused multiply-add), so every float op is
   rounded as in torch's separate element-wise kernels; ``tl.log`` lowers to libdevice's ``logf``
   on NVIDIA GPUs, the function torch's CUDA ``log`` uses. Under the CPU interpreter, numpy's and
@@ -99,13 +100,13 @@ def _node_choice_kernel(logits_ptr, stride_row, thr_ptr, ctr_ptr, val_ptr, idx_p
         x = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if SAMPLE:
             if RECIPROCAL:
-                x = x * temp  # temp holds float32(1) / float32(T) (see _tempering)
+                x = x * temp  # temp holds a float32 reciprocal of T (see _tempering)
             else:
                 x = tl.div_rn(x, temp)  # a correctly rounded float32 division by T
             if HAS_THR:
                 x = tl.where(x < thr, float("-inf"), x)
             h = _mix32(key ^ _mix32(cols.to(tl.uint32) + 0x9E3779B9))
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # reference.bits_to_unit: u in (0, 1)
             x = x + (-tl.log(-tl.log(u)))
             x = tl.where(inside, x, float("-inf"))
         tile_max = tl.max(x, axis=0)
@@ -151,22 +152,27 @@ def _choose_block_split(n: int, vocab: int, device: torch.device) -> tuple[int, 
 _TEMPERING: dict[tuple[str, int | None, float], str] = {}
 
 
+def _reciprocals(temperature: float) -> dict[str, float]:
+    """The float32 reciprocals torch builds use: 1 / float32(T) in float32, or 1 / T in float64
+    rounded once to float32 (they differ for T = 1.1, say)."""
+    t32 = torch.tensor(temperature, dtype=torch.float32)
+    return {"reciprocal32": float(torch.tensor(1.0, dtype=torch.float32) / t32),
+            "reciprocal64": float(torch.tensor(1.0 / temperature, dtype=torch.float32))}
+
+
 def _tempering(device: torch.device, temperature: float) -> str:
-    """How torch computes ``x / temperature`` for float32 x on ``device``: "reciprocal" (x times the
-    float32 reciprocal), "divide" (a correctly rounded division) or "other"; cached per device and T."""
+    """How torch computes ``x / temperature`` for float32 x on ``device``: "reciprocal32" or
+    "reciprocal64" (x times that float32 reciprocal, see ``_reciprocals``), "divide" (a correctly
+    rounded division) or "other"; measured once per device and T."""
     key = (device.type, device.index, temperature)
     if key not in _TEMPERING:
         gen = torch.Generator().manual_seed(12345)
         probe = (torch.randn(8192, generator=gen) * 16).to(device)
         got = probe / temperature  # the expression callers use for the thresholds
-        t32 = torch.tensor(temperature, dtype=torch.float32)
-        inv = float(torch.tensor(1.0, dtype=torch.float32) / t32)
-        if torch.equal(got, probe * inv):
-            mode = "reciprocal"
-        elif torch.equal(got, (probe.double() / float(t32)).float()):  # float64 then round: exact for /
-            mode = "divide"
-        else:
-            mode = "other"
+        t32 = float(torch.tensor(temperature, dtype=torch.float32))
+        mode = next((name for name, inv in _reciprocals(temperature).items() if torch.equal(got, probe * inv)), None)
+        if mode is None:  # float64 division rounded once: the correctly rounded float32 quotient
+            mode = "divide" if torch.equal(got, (probe.double() / t32).float()) else "other"
         _TEMPERING[key] = mode
     return _TEMPERING[key]
 
@@ -184,10 +190,10 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
         raise ValueError("node_choice needs a non-empty vocabulary")
     home = logits.device
     sample = temperature > 0.0
-    mode = _tempering(home, temperature) if sample else "reciprocal"
+    mode = _tempering(home, temperature) if sample else "reciprocal32"
     if mode == "other":  # torch tempers, the kernel multiplies by 1 (exact)
-        logits, temperature, mode = logits.float() / temperature, 1.0, "reciprocal"
-    reciprocal = mode == "reciprocal"
+        logits, temperature, mode = logits.float() / temperature, 1.0, "reciprocal32"
+    reciprocal = mode.startswith("reciprocal")
     logits = logits.to(_launch_device(home))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -201,8 +207,7 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
     split = triton.cdiv(vocab, chunk)
 
     if sample:
-        t32 = torch.tensor(temperature, dtype=torch.float32)
-        temp = float(torch.tensor(1.0, dtype=torch.float32) / t32) if reciprocal else float(t32)
+        temp = _reciprocals(temperature)[mode] if reciprocal else float(torch.tensor(temperature, dtype=torch.float32))
     else:
         temp = 1.0
     has_thr = sample and thresholds is not None
