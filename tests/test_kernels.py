@@ -228,6 +228,19 @@ def test_extreme_hashes_stay_strictly_inside_the_unit_interval():
     assert torch.equal(u.double() * 2**23 - 0.5, k.double())
 
 
+def test_the_h200_row_samples_inside_its_top_k():
+    """The disagreement seen on the H200: seed 3, counter 159 (row 158 at offset 1) is the one row of
+    1–256 where column 25,390's old variate was exactly 1.0. With that token masked by top-k, the
+    reference drew it anyway (NaN wins argmax); now both backends draw inside the top k."""
+    x = _logits(1, 49152, seed=4)
+    x[0, 25390] = x[0].min() - 5.0  # far below any top-k threshold
+    thresholds = R.filter_thresholds(x.float() / 0.6, 50, None)
+    allowed = set(torch.topk(x[0].float(), 50).indices.tolist())
+    want = R.node_choice_torch(x, 0.6, thresholds, seed=3, offset=159)
+    assert int(want) in allowed and int(want) != 25390
+    assert torch.equal(TK.node_choice(x, 0.6, thresholds, seed=3, offset=159), want)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_sampling_matches_softmax(temperature):
     counts = _draw(temperature)
