@@ -158,3 +158,27 @@ def test_train_cli_rejects_a_device_it_cannot_use(capsys):
         with pytest.raises(SystemExit):
             main(["fit", "--data", "x", "--ckpt", "y", "--device", "cuda"])
         assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_payload_turns_feature_shards_into_ids_only_folders(tmp_path):
+    """scripts/gpu_payload.py's data step: the records keep ids and prompt lengths, lose the features,
+    and the folder's meta says so (fit then asks for --live-features)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_payload", Path(__file__).resolve().parents[1] / "scripts" / "gpu_payload.py")
+    payload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(payload)
+    src = tmp_path / "self"
+    src.mkdir()
+    recs = [{"ids": torch.arange(n, dtype=torch.int32), "prompt_len": 2, "feats": torch.zeros(n, 8)} for n in (5, 7)]
+    torch.save(recs[:1], src / "shard_00000.pt")
+    torch.save(recs[1:], src / "shard_00001.pt")
+    (src / "meta.json").write_text(json.dumps({"layer_ids": [1, 2], "corpus": "self", "seed": 0, "batch": 1}))
+    payload.ids_only([src], tmp_path / "ids")
+    (out,) = [torch.load(p) for p in (tmp_path / "ids" / "self").glob("shard_*.pt")]
+    assert [r["ids"].tolist() for r in out] == [list(range(5)), list(range(7))]
+    assert all(set(r) == {"ids", "prompt_len"} for r in out)
+    meta = json.loads((tmp_path / "ids" / "self" / "meta.json").read_text())
+    assert meta["features"] is False and meta["layer_ids"] == [1, 2] and meta["prompts"] == 2
