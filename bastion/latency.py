@@ -17,8 +17,8 @@ routine changes with the row count (the embedded target, 2 cores: 4 rows 47 ms, 
 67 ms) — so each row count s also keeps a running ratio ρ(s) of measured to roofline time
 (interpolated between the counts seen, 1 until any is seen), and the prediction is ρ(s)·C(s, c).
 On a GPU, where the curve is smooth, ρ stays near 1. Where the measured cost is not monotone in s
-(small matrix products on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or above its size, so C is
-fitted and used on the monotone envelope.
+(small matrix products on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or
+above its size, so C is fitted and used on the monotone envelope.
 """
 
 from __future__ import annotations

@@ -400,9 +400,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
                              f"the data has {meta['layer_ids']}")
     else:
         drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
-    vocab_ids = drafter.draft_vocab
-    drafter.to(device)
-    drafter.set_draft_vocab(vocab_ids)  # a plain attribute: .to() does not move it
+    drafter.to(device)  # parameters and buffers, the draft vocabulary included
     from .engine import stop_token_ids
     stops = stop_token_ids(target.tokenizer, target.model.generation_config)
 
