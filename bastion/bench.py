@@ -229,6 +229,19 @@ def _peak_memory(device: torch.device) -> tuple[float, float | None]:
 
 
 # --------------------------------------------------------------------- the suite
+def _linear_mode(model: torch.nn.Module) -> str:
+    """What the model's linear layers run on, for the machine record."""
+    from .kernels import cpu_native
+
+    layers = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
+    if not layers:
+        return "stock: F.linear"
+    if any(m.native for m in layers) and cpu_native.available():
+        return "native: packed few-row kernel (kernels.cpu_native)"
+    why = cpu_native.unavailable_reason()
+    return "fast: kernels.cpu_linear for few-row CPU fp32 products" + (f" (native unavailable: {why})" if why else "")
+
+
 def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy], max_new_tokens: int = 128,
               temperature: float = 0.0, repeats: int = 1, seed: int = 0, command: str = "",
               progress: bool = True) -> BenchOutput:
@@ -269,8 +282,7 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
-    fast = any(isinstance(m, SkinnyLinear) for m in engine.target.model.modules())
-    machine["linear"] = "fast: kernels.cpu_linear for few-row CPU fp32 products" if fast else "stock: F.linear"
+    machine["linear"] = _linear_mode(engine.target.model)
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
@@ -305,9 +317,10 @@ def add_parser(sub) -> None:
     b.add_argument("--dtype", default="float32")
     b.add_argument("--device", default=None)
     b.add_argument("--kernels", default="auto", help="auto|torch|triton")
-    b.add_argument("--linear", choices=("fast", "stock"), default="fast",
-                   help="fast: few-row CPU products through kernels.cpu_linear (every strategy, the HF baselines "
-                        "included); stock: torch's F.linear everywhere (the ablation)")
+    b.add_argument("--linear", choices=("native", "fast", "stock"), default="native",
+                   help="few-row CPU products for every strategy, the HF baselines included: native = the packed "
+                        "kernel of kernels.cpu_native (torch's routines where it cannot be built); fast = "
+                        "torch's few-row routines (kernels.cpu_linear); stock = F.linear everywhere (ablations)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -368,13 +381,13 @@ def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
-        target = load_target(a.model, dtype, a.device, progress=log, fast_linear=a.linear == "fast")
+        target = load_target(a.model, dtype, a.device, progress=log, linear=a.linear)
         drafter = load_default_drafter(target, a.drafter, a.model)
         datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load: {exc}") from None
     if drafter is not None:
-        use_skinny_linear(drafter, a.linear == "fast")
+        use_skinny_linear(drafter, a.linear)
     needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
     if drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")

@@ -199,7 +199,7 @@ class DFlashDrafter(nn.Module):
         # correctness (verification always uses the target's full distribution).
         self.register_buffer("draft_vocab", None if not cfg.draft_vocab_size else
                              torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        use_skinny_linear(self)  # a draft is a 16-row product per matrix: kernels.cpu_linear
+        use_skinny_linear(self, "native")  # a draft is a 16-row product per matrix: kernels.cpu_linear
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""

