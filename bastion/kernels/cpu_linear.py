@@ -20,7 +20,7 @@ A whole SmolLM2-135M forward after 300 tokens: 1 row 59 → 33 ms, 12 rows 86 �
 Where a C compiler is available, :class:`SkinnyLinear` goes one step further (mode ``native``): its
 weight is re-laid out once in panels and multiplied by ``kernels.cpu_native`` (a kernel of our own,
 compiled on first use), which reads the weights once per call whatever the row count up to 64 —
-a 16-row product over the whole model 51 → 33 ms. ``skinny_linear`` itself stays torch-only unless
+a 16-row product over every matrix of the model 51 → 30 ms. ``skinny_linear`` itself stays torch-only unless
 the caller passes the panels.
 
 Every path computes the same product in float32; only the rounding of the sums differs (≤ 1e-6

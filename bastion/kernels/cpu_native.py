@@ -3,15 +3,15 @@
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
 2 threads, fp32, every weight matrix of SmolLM2-135M once — 538 MB; ms, best of 5; reading the
-weights alone, ``w.sum()``, takes 11 ms):
+weights alone, ``w.sum()``, takes 12 ms):
 
     rows                       1      2      4      8     12     16     24     32
-    (W xᵀ)ᵀ  (MKL gemm)      16.0   16.0   23.8   40.7   69.9   53.9   72.3   74.5
-    oneDNN linear            25.9   32.3   35.6   40.7   45.5   51.0   57.9   66.7
-    packed panels (this)     13.5   13.5   18.7   24.0   30.6   32.9   43.2   52.3
+    (W xᵀ)ᵀ  (MKL gemm)      16.4   16.2   25.6   41.5   71.7   55.5   72.6   76.7
+    oneDNN linear            26.0   32.1   35.7   40.8   46.3   51.3   62.2   72.1
+    packed panels (this)     13.0   12.7   14.3   17.1   23.1   30.1   38.6   48.0
 
 The kernel reads each weight once per call from a panel layout made once per matrix (``pack``), so
-a tree of 8–16 nodes costs little more than one token — the regime speculative decoding lives in.
+a tree of up to 8 nodes costs little more than one token — the regime speculative decoding lives in.
 The packed copy doubles the weights' memory (540 MB more for SmolLM2-135M).
 
 Each output is summed in the same order whatever the number of rows (cpu_gemm.c), so a row's result
