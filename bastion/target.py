@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from .kernels import cpu_native
+from .kernels.cpu_attention import use_grouped_attention
 from .kernels.cpu_linear import prepack, skinny_linear, use_skinny_linear
 
 
@@ -33,10 +34,13 @@ class Target:
     def __init__(self, model: PreTrainedModel, tokenizer=None, linear: str | bool = "native"):
         """`linear`: how the model's linear layers multiply few rows on a CPU (``kernels.cpu_linear``):
         ``native`` (the packed kernel, built on first use; the panels are made here, at load),
-        ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training."""
+        ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training.
+        SDPA attention of a few masked queries regroups grouped-query heads instead of copying the
+        KV cache (``kernels.cpu_attention``; CPU only, the same attention)."""
         self.model = model.eval()
         use_skinny_linear(self.model, linear)
         prepack(self.model)
+        use_grouped_attention(self.model)
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None
