@@ -259,9 +259,13 @@ class LatencyModel:
         xs_c = [x[0] for x in xs]
         xs_m = [x[1] for x in xs]
         ts = [t for _, _, t in self.samples]
+        last = None
         for _ in range(iterations):
             on_comp = [self.compute.alpha * a + self.compute.beta >= self.memory.alpha * b + self.memory.beta
                        for a, b in zip(xs_c, xs_m)]
+            if on_comp == last:  # same assignment as the fit just made: refitting would repeat it
+                break
+            last = on_comp
             for branch, xs, flag in ((self.compute, xs_c, True), (self.memory, xs_m, False)):
                 pts = [(x, t, w) for x, t, w, f in zip(xs, ts, weights, on_comp) if f == flag]
                 if pts:  # the ridge pulls toward the analytic prior α = 1, not the last fit (no drift)
