@@ -124,3 +124,21 @@ def test_skinny_linear_with_panels():
     got = skinny_linear(x, w, b, cpu_native.pack(w))
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert got.shape == (2, 3, 50)
+
+
+def test_prepack_falls_back_when_the_panels_would_not_fit(monkeypatch):
+    import psutil
+
+    class Tight:
+        available = 1000  # bytes: far less than twice the layer's weights
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight())
+    lin = nn.Linear(64, 64)
+    use_skinny_linear(lin, "native")
+    with pytest.warns(UserWarning, match="native CPU kernel off"):
+        assert prepack(lin) == 0
+    assert not lin.native and "_panels" not in lin.__dict__
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert "_panels" not in lin.__dict__  # the fallback never packs later either

@@ -30,6 +30,8 @@ autograd take these paths: everything else is ``F.linear`` unchanged.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,15 +150,34 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     return n
 
 
-def prepack(module: nn.Module) -> int:
+def _native_layers(module: nn.Module) -> list[SkinnyLinear]:
+    return [m for m in module.modules() if isinstance(m, SkinnyLinear) and m.native
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
+def prepack(module: nn.Module, memory_fraction: float = 0.5) -> int:
     """Make the panel copies of every native :class:`SkinnyLinear` with a CPU float32 weight now (at
-    model load) rather than inside the first decoding step; returns how many. No-op without the kernel."""
+    model load) rather than inside the first decoding step; returns how many. No-op without the kernel.
+
+    The copies double those weights in memory. When they would take more than `memory_fraction` of
+    the memory available now (a 4B-parameter target in fp32 wants 16 GB more), the layers are set
+    back to torch's few-row routines (mode ``fast``) with a warning instead."""
     if not cpu_native.available():
         return 0
-    n = 0
-    for m in module.modules():
-        if isinstance(m, SkinnyLinear) and m.native and m.weight.device.type == "cpu" \
-                and m.weight.dtype == torch.float32:
-            m.panels()
-            n += 1
-    return n
+    layers = _native_layers(module)
+    need = sum(m.weight.numel() * 4 for m in layers)
+    try:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    except (ImportError, OSError):
+        free = None
+    if free is not None and need > memory_fraction * free:
+        warnings.warn(f"native CPU kernel off: its packed weights need {need / 2**30:.1f} GiB, "
+                      f"{free / 2**30:.1f} GiB is available; using torch's few-row routines", stacklevel=2)
+        for m in layers:
+            m.native = False
+        return 0
+    for m in layers:
+        m.panels()
+    return len(layers)
