@@ -93,8 +93,11 @@ void bastion_gemm_f32(const float *x, int64_t R, const float *wp, int64_t N, int
             panel(x, 0, 2, 1, wpp, K, b, y, N, n0);
             continue;
         }
-        for (int64_t r0 = 0; r0 < R; r0 += RB) {
-            int rr = R - r0 < RB ? (int)(R - r0) : RB;
+        /* equal passes (16 rows as 8 + 8, not 12 + 4): a short last pass reuses each W load little */
+        int64_t npass = (R + RB - 1) / RB;
+        for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {
+            int rr = (int)((R - r0) / (npass - pass));
+            if (rr > RB) rr = RB;
             const float *xr = x + r0 * K;
             float *yr = y + r0 * N;
             switch (rr) {
@@ -103,6 +106,7 @@ void bastion_gemm_f32(const float *x, int64_t R, const float *wp, int64_t N, int
                 CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #endif
             }
+            r0 += rr;
         }
     }
 }
