@@ -178,9 +178,6 @@ class LatencyModel:
     calibrated: bool = False
     shape: dict[int, float] = field(default_factory=dict)  # ρ(s): running measured / roofline per row count
     shape_rate: float = 0.2
-    # (s, c) → (t_comp, t_mem): the refit runs every round over the whole window, and the analytic
-    # times of a sample never change (the specs are fixed once the model is built)
-    _x_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------- prediction
     def t_comp(self, s: int, c: int) -> float:
@@ -244,20 +241,11 @@ class LatencyModel:
         if draft_s is not None:
             self.draft_s = draft_s if self.draft_s == 0.0 else self.draft_s + rate * (draft_s - self.draft_s)
 
-    def _xs(self, s: int, c: int) -> tuple[float, float]:
-        x = self._x_memo.get((s, c))
-        if x is None:
-            if len(self._x_memo) > 4096:
-                self._x_memo.clear()
-            x = self._x_memo[(s, c)] = (self.t_comp(s, c), self.t_mem(s, c))
-        return x
-
     def _refit(self, iterations: int = 3) -> None:
         n = len(self.samples)
         weights = [self.decay ** (n - 1 - i) for i in range(n)]
-        xs = [self._xs(s, c) for s, c, _ in self.samples]
-        xs_c = [x[0] for x in xs]
-        xs_m = [x[1] for x in xs]
+        xs_c = [self.t_comp(s, c) for s, c, _ in self.samples]
+        xs_m = [self.t_mem(s, c) for s, c, _ in self.samples]
         ts = [t for _, _, t in self.samples]
         last = None
         for _ in range(iterations):

@@ -4,7 +4,7 @@
  *
  * Decoding multiplies 1-64 rows by every weight matrix of the model, and the BLAS gemm kernels are
  * tuned for many rows: a 16-row product over SmolLM2-135M's weights took 51 ms through oneDNN on the
- * development machine, against a memory floor of 11 ms (bastion/kernels/cpu_native.py has the
+ * development machine, against a memory floor of 12 ms (bastion/kernels/cpu_native.py has the
  * table). Here W is re-laid out once as panels Wp [ceil(N/16), K, 16] (16 consecutive outputs per k,
  * zero padded), so a panel is one sequential stream and each k step is two 8-float vector loads of W
  * and one FMA per row into 16 accumulators per row: no horizontal sums, and each W element, once
@@ -31,7 +31,6 @@ typedef float v8 __attribute__((vector_size(32), aligned(4))); /* 8 floats, unal
 #endif
 
 int bastion_gemm_panel(void) { return P; }
-int bastion_gemm_rows_per_pass(void) { return RB; }
 
 /* W [N, K] row-major -> Wp [ceil(N/16), K, 16], zero padded. */
 void bastion_pack_f32(const float *w, int64_t N, int64_t K, float *wp, int nthreads) {

@@ -67,6 +67,11 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() >= 1 and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= MAX_ROWS
 
 
+def _native(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``)."""
+    return cpu_native.linear(x.reshape(-1, x.shape[-1]), panels, n, bias).reshape(*x.shape[:-1], n)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` — x [..., k], weight [n, k], bias [n] → [..., n] — computed by the
@@ -79,7 +84,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.numel() // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])
     if panels is not None and cpu_native.available():
-        return cpu_native.linear(x2, panels, weight.shape[0], bias).reshape(*x.shape[:-1], weight.shape[0])
+        return _native(x, panels, weight.shape[0], bias)
     if rows <= GEMM_ROWS or not _onednn_linear_available():
         # x2ᵀ as a transposed view: MKL then runs the tall-times-thin gemm kernel. A single column
         # would be dispatched to sgemv (3× slower), so one row is duplicated into two columns.
@@ -115,9 +120,7 @@ class SkinnyLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # ~230 calls per decoding step: the native path is checked once, inline
         if self.native and fast_path(x, self.weight) and cpu_native.available():
-            n, k = self.weight.shape
-            y = cpu_native.linear(x.reshape(-1, k), self.panels(), n, self.bias)
-            return y.reshape(*x.shape[:-1], n)
+            return _native(x, self.panels(), self.weight.shape[0], self.bias)
         return skinny_linear(x, self.weight, self.bias)
 
 
@@ -129,7 +132,7 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     routines), ``"stock"`` (plain ``nn.Linear``) — or True / False for ``"fast"`` / ``"stock"``.
     Only the class changes (parameters, tied weights, hooks and state-dict keys stay), and the choice
     of routine is made per call, so it is safe on any device and dtype."""
-    mode = {True: "fast", False: "stock"}.get(on, on) if isinstance(on, bool) else on
+    mode = ("fast" if on else "stock") if isinstance(on, bool) else on
     if mode not in MODES:
         raise ValueError(f"unknown linear mode {on!r}; choose from {', '.join(MODES)}")
     n = 0
@@ -162,9 +165,9 @@ def prepack(module: nn.Module, memory_fraction: float = 0.5) -> int:
     The copies double those weights in memory. When they would take more than `memory_fraction` of
     the memory available now (a 4B-parameter target in fp32 wants 16 GB more), the layers are set
     back to torch's few-row routines (mode ``fast``) with a warning instead."""
-    if not cpu_native.available():
-        return 0
     layers = _native_layers(module)
+    if not layers or not cpu_native.available():  # a GPU model never builds the CPU kernel
+        return 0
     need = sum(m.weight.numel() * 4 for m in layers)
     try:
         import psutil
