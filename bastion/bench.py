@@ -65,12 +65,13 @@ class Strategy:
     lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' leaves it out
     datastore: bool = True   # bastion's datastore branch; 'bastion:nods' leaves it out
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
+    adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
-                                pad_rows=self.pad_rows)
+                                pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -105,12 +106,14 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, "bastion", datastore=False)
     if name == "bastion:drafter":
         return Strategy(name, "bastion", lookup=False, datastore=False)
+    if name == "bastion:fulldepth":
+        return Strategy(name, "bastion", adaptive_depth=False)
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:drafter, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
 
 
 @dataclass(frozen=True)

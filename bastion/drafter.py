@@ -143,14 +143,28 @@ class DrafterAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         """x [b, q, h] block hidden states; ctx_k/ctx_v [b, n_kv, c, d]; mask [b, 1, q, c + q] or None."""
+        return self.attend(x, cos, sin, ctx_k, ctx_v, mask)[0]
+
+    def attend(self, x, cos, sin, ctx_k, ctx_v, mask=None, fresh=None):
+        """Attention output [b, q, h] and the keys/values [b, n_kv, c + m, d] the context now has.
+
+        ``fresh`` [b, m, h]: normalised features of m context tokens not yet in ctx_k/ctx_v (the
+        tokens committed since the last draft). Their keys/values come out of the same k/v products
+        as the block's — one product over m + q rows instead of two — and are returned appended to
+        the context (views of the tensors the block attended to: no second copy of the cache).
+        cos/sin [b, m + q, d] cover [fresh ; block]; ctx_k/ctx_v may be None (no context yet).
+        """
         b, q, _ = x.shape
+        m = 0 if fresh is None else fresh.shape[1]
         qh = self.q_norm(self.q_proj(x).view(b, q, self.n_q, self.head_dim)).transpose(1, 2)
-        qh = _rotate(qh, cos, sin)
-        k, v = self._kv(x, cos, sin)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
+        qh = _rotate(qh, cos[:, m:], sin[:, m:])
+        k, v = self._kv(x if fresh is None else torch.cat([fresh, x], dim=1), cos, sin)
+        if ctx_k is not None:
+            k = torch.cat([ctx_k, k], dim=2)
+            v = torch.cat([ctx_v, v], dim=2)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=self.n_q != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+        keep = k.shape[2] - q
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), k[:, :, :keep], v[:, :, :keep]
 
 
 class DrafterLayer(nn.Module):
@@ -165,19 +179,55 @@ class DrafterLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def step(self, x, cos, sin, ctx_k, ctx_v, fresh=None):
+        """One inference layer: block states [b, q, h] and the context keys/values extended by
+        ``fresh`` (see :meth:`DrafterAttention.attend`)."""
+        out, k, v = self.self_attn.attend(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, None, fresh)
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
 
 @dataclass
 class DrafterCache:
-    """Per-layer context keys/values [1, n_kv, c, d] of the committed tokens before the root."""
+    """The drafter's context: per-layer keys/values [1, n_kv, c, d] of the committed tokens before the
+    root, plus ``pending`` target features [m_i, k·h] of tokens committed since (encoded by the next
+    :meth:`DFlashDrafter.draft` in its own forward, see :meth:`defer`)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def encoded(self) -> int:
+        """Context tokens whose keys/values are in the cache."""
+        return self.keys[0].shape[2] if self.keys else 0
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        """Context tokens the cache stands for: encoded plus pending."""
+        return self.encoded + sum(f.shape[0] for f in self.pending)
+
+    def defer(self, features: torch.Tensor) -> None:
+        """Queue newly committed tokens' target features [m, k·h] for the next draft.
+
+        Encoding them at once (:meth:`DFlashDrafter.extend_cache`) costs a forward of its own: fc,
+        a norm, rotary and k/v products over m ≈ τ rows per layer, plus a copy of the cache. Deferred,
+        the next draft computes them inside its k/v products over [fresh ; block] rows — and a round
+        that skips its draft (DraftGate) pays nothing.
+        """
+        if features is not None and features.shape[0] > 0:
+            self.pending.append(features)
 
     def crop(self, length: int) -> None:
+        """Keep the first ``length`` context tokens (encoded first, then pending)."""
+        keep, self.pending, rest = [], [], self.pending
+        left = length - self.encoded
+        for f in rest:
+            if left <= 0:
+                break
+            keep.append(f[:left])
+            left -= f.shape[0]
+        self.pending = keep
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
 
@@ -247,7 +297,10 @@ class DFlashDrafter(nn.Module):
         """Append newly committed tokens' target features [m, k·h] to the context cache."""
         if features is None or features.shape[0] == 0:
             return
-        start = cache.length
+        if cache.pending:  # keep the order: queued tokens come first
+            queued, cache.pending = cache.pending, []
+            features = torch.cat([*queued, features])
+        start = cache.encoded
         pos = torch.arange(start, start + features.shape[0], device=features.device)[None]
         kv = self.context_kv(features[None].to(self.fc.weight.dtype), pos)
         if not cache.keys:
@@ -259,26 +312,42 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, cache: DrafterCache, root_token: int, embed, lm_head,
-              vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """Log-probabilities [B−1, V] of depths 1..B−1 for the block [root, MASK × (B−1)].
+              vocab: torch.Tensor | None = None, depth: int | None = None) -> torch.Tensor:
+        """Log-probabilities [D, V] of depths 1..D for the block [root, MASK × D] (D = ``depth``,
+        default B − 1: the whole block the drafter was trained on; a shorter block drafts fewer depths
+        for less work — the block attention is non-causal, so its marginals differ a little).
 
-        The root sits at position cache.length (its context is everything before it). With a draft
+        The root sits at position cache.length (its context is everything before it); features queued
+        with :meth:`DrafterCache.defer` are encoded in this same forward. With a draft
         vocabulary — ``vocab`` if given (the engine widens the drafter's own with a request's tokens),
         else ``draft_vocab`` — the columns are its V_d tokens (``vocab[j]`` is column j's target id)
         and ``lm_head(hidden, rows)`` must return logits of those rows only.
         """
-        device = self.fc.weight.device
-        ids = torch.full((1, self.block_size), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        if depth is not None and not 1 <= depth < self.block_size:
+            raise ValueError(f"draft depth must be in [1, {self.block_size - 1}], got {depth}")
+        block = self.block_size if depth is None else depth + 1
+        ids = torch.full((1, block), self.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = root_token
         emb = embed(ids)
-        x = emb.to(self.fc.weight.dtype)
-        pos = torch.arange(cache.length, cache.length + self.block_size, device=device)[None]
-        if cache.keys:
-            ctx_kv = list(zip(cache.keys, cache.values))
-        else:  # a one-token prompt: no context yet
-            empty = x.new_zeros(1, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
-            ctx_kv = [(empty, empty)] * len(self.layers)
-        hidden = self.blocks(x, pos, ctx_kv)[0, 1:].to(emb.dtype)
+        x = emb.to(dtype)
+        fresh = None
+        if cache.pending:  # tokens committed since the last draft: encoded in this forward
+            feats = cache.pending[0] if len(cache.pending) == 1 else torch.cat(cache.pending)
+            cache.pending = []
+            fresh = self.hidden_norm(self.fc(feats[None].to(device=device, dtype=dtype)))
+        m = 0 if fresh is None else fresh.shape[1]
+        start = cache.encoded
+        # positions of [fresh ; block]: contiguous, the root right after the last context token
+        cos, sin = self._cos_sin(x, torch.arange(start, start + m + block, device=device)[None])
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            past = (cache.keys[i], cache.values[i]) if cache.keys else (None, None)
+            x, k, v = layer.step(x, cos, sin, *past, fresh)
+            keys.append(k)
+            values.append(v)
+        cache.keys, cache.values = keys, values
+        hidden = self.norm(x)[0, 1:].to(emb.dtype)
         rows = vocab if vocab is not None else self.draft_vocab
         logits = lm_head(hidden) if rows is None else lm_head(hidden, rows)
         return torch.log_softmax(logits.float(), dim=-1)

@@ -39,8 +39,8 @@ class SharpDrafter:
     def extend_cache(self, cache, features):
         self.inner.extend_cache(cache, features)
 
-    def draft(self, cache, root, embed, lm_head, vocab=None):  # no draft vocabulary: vocab stays None
-        return torch.log_softmax(self.factor * self.inner.draft(cache, root, embed, lm_head), dim=-1)
+    def draft(self, cache, root, embed, lm_head, vocab=None, depth=None):  # no draft vocabulary: vocab stays None
+        return torch.log_softmax(self.factor * self.inner.draft(cache, root, embed, lm_head, None, depth), dim=-1)
 
 
 def free_port() -> int:

@@ -220,3 +220,59 @@ def test_live_features_equal_stored_ones_and_batch_layout():
             assert stored.block_pos[i, 4 * j:4 * j + 4].tolist() == [a, a + 1, a + 2, a + 3]
             want = seq[a + 1:a + 4].tolist()
             assert stored.labels[i, 3 * j:3 * j + 3].tolist() == want + [-100] * (3 - len(want))
+
+
+def _reference_draft(d, target, feats, root):
+    """What a draft must return: the training-time forward (context_kv + blocks) over all features."""
+    n = feats.shape[0]
+    ctx_kv = d.context_kv(feats[None], torch.arange(n)[None])
+    ids = torch.full((1, d.block_size), d.cfg.mask_token_id)
+    ids[0, 0] = root
+    hidden = d.blocks(target.embed(ids), torch.arange(n, n + d.block_size)[None], ctx_kv)[0, 1:]
+    return torch.log_softmax(target.lm_head(hidden).float(), dim=-1)  # a draft's log q is float32
+
+
+@pytest.mark.parametrize("split", [(0, 7), (4, 3), (7, 0), (2, 1, 4)])
+def test_deferred_context_equals_eager_and_training_forward(split):
+    """Features queued with DrafterCache.defer and encoded inside the next draft give the draft (and
+    the cache) that encoding them at once gives, which is the training forward's."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    d = tiny_drafter(target, layers=2)
+    feats = torch.randn(sum(split), 2 * target.hidden_size, dtype=torch.float64)
+    eager, lazy = d.new_cache(), d.new_cache()
+    d.extend_cache(eager, feats)
+    if split[0]:
+        d.extend_cache(lazy, feats[:split[0]])
+    start = split[0]
+    for m in split[1:]:
+        lazy.defer(feats[start:start + m])
+        start += m
+    assert lazy.length == eager.length == feats.shape[0]
+    ref = _reference_draft(d, target, feats, 3)
+    a = d.draft(eager, 3, target.embed, target.lm_head)
+    b = d.draft(lazy, 3, target.embed, target.lm_head)
+    assert torch.allclose(a, ref, atol=1e-5) and torch.allclose(b, ref, atol=1e-5)
+    assert lazy.pending == [] and lazy.encoded == eager.encoded == feats.shape[0]
+    for k1, k2, v1, v2 in zip(eager.keys, lazy.keys, eager.values, lazy.values):
+        assert torch.allclose(k1, k2, atol=1e-12) and torch.allclose(v1, v2, atol=1e-12)
+    # the next round: more features, and the cache stays consistent with the training forward
+    more = torch.randn(2, 2 * target.hidden_size, dtype=torch.float64)
+    lazy.defer(more)
+    assert torch.allclose(d.draft(lazy, 5, target.embed, target.lm_head),
+                          _reference_draft(d, target, torch.cat([feats, more]), 5), atol=1e-5)
+
+
+def test_cache_crop_covers_pending():
+    target = tiny_target("qwen3", dtype=torch.float64)
+    d = tiny_drafter(target)
+    feats = torch.randn(6, 2 * target.hidden_size, dtype=torch.float64)
+    cache = d.new_cache()
+    d.extend_cache(cache, feats[:3])
+    cache.defer(feats[3:5])
+    cache.defer(feats[5:])
+    cache.crop(4)
+    assert cache.encoded == 3 and cache.length == 4 and torch.equal(cache.pending[0], feats[3:4])
+    cache.crop(2)
+    assert cache.encoded == 2 and cache.length == 2 and cache.pending == []
+    assert torch.allclose(d.draft(cache, 1, target.embed, target.lm_head),
+                          _reference_draft(d, target, feats[:2], 1), atol=1e-5)

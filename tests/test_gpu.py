@@ -20,8 +20,8 @@ CUDA = torch.device("cuda")
 class DeviceOracle(OracleDrafter):
     """OracleDrafter whose draft distributions live on the target's device."""
 
-    def draft(self, cache, root, embed, lm_head, vocab=None):
-        return super().draft(cache, root, embed, lm_head, vocab).to(CUDA)
+    def draft(self, cache, root, embed, lm_head, vocab=None, depth=None):
+        return super().draft(cache, root, embed, lm_head, vocab, depth).to(CUDA)
 
 
 def cuda_target(family: str, **kw):

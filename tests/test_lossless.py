@@ -178,3 +178,48 @@ def test_row_padding_keeps_every_strategy_lossless():
         padded = engine.run(prompt, GenerationConfig(strategy="fixed", **cfg)).token_ids
         plain = engine.run(prompt, GenerationConfig(strategy="fixed", pad_rows=False, **cfg)).token_ids
         assert padded == plain == engine.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
+
+
+def test_draft_depth_follows_the_trees_and_stays_lossless():
+    from bastion.engine import DraftDepth
+    from bastion.tree import DraftTree
+
+    policy = DraftDepth(15, margin=3, window=2)
+    assert policy.depth() == 15  # the full block until a tree has been seen
+    shallow = DraftTree.root_only(0)
+    a = shallow.add(5, 0, 0.9, 0.9, 0)
+    shallow.add(6, a, 0.8, 0.7, 0)           # drafter nodes down to depth 2 ...
+    node = 0
+    for _ in range(9):                        # ... and a copied chain (rank -1) down to depth 9
+        node = shallow.add(7, node, 0.5, 0.1, -1)
+    policy.observe(shallow)
+    assert policy.depth() == 5                # copied nodes need no drafted depths
+    deep = DraftTree.root_only(0)
+    node = 0
+    for _ in range(5):
+        node = deep.add(1, node, 0.9, 0.5, 0)
+    policy.observe(deep)
+    assert policy.depth() == 8                # a tree at the cap raises the next one
+    policy.observe(DraftTree.root_only(0))
+    policy.observe(DraftTree.root_only(0))
+    assert policy.depth() == 3                # the window forgot the deep tree
+
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7]
+    full = hf_greedy(target, prompt, 40)
+    drafter = OracleDrafter(tiny_drafter(target, block_size=16), full, target.vocab_size, hit=0.6, spread=2)
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    ref = full[len(prompt):]
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40, skip_draft=False)))
+    assert [t for s in steps for t in s.tokens] == ref
+    expect, seen = 15, []
+    for s in steps:
+        assert len(s.draft_logq) == expect, ([len(x.draft_logq) for x in steps], seen)
+        seen.append(max((d for d, r in zip(s.tree.depths[1:], s.tree.ranks[1:]) if r >= 0), default=0))
+        expect = min(15, max(seen[-8:]) + 3)
+    assert min(len(s.draft_logq) for s in steps) < 15  # the depth really adapted
+    for strategy, kw, depth in (("fixed", {"budget": 4}, 4), ("chain", {}, 15),
+                                ("bastion", {"adaptive_depth": False, "skip_draft": False}, 15)):
+        steps = list(engine.generate(prompt, GenerationConfig(strategy=strategy, max_new_tokens=40, **kw)))
+        assert [t for s in steps for t in s.tokens] == ref, strategy
+        assert all(len(s.draft_logq) == depth for s in steps if s.draft_ids), strategy

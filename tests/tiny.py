@@ -59,10 +59,11 @@ class OracleDrafter:
     def extend_cache(self, cache, features):
         self.inner.extend_cache(cache, features)
 
-    def draft(self, cache, root, embed, lm_head, vocab=None):  # no draft vocabulary: vocab stays None
-        logits = torch.randn(self.block_size - 1, self.vocab, generator=self.gen)
+    def draft(self, cache, root, embed, lm_head, vocab=None, depth=None):  # no draft vocabulary: vocab stays None
+        depth = depth or self.block_size - 1
+        logits = torch.randn(depth, self.vocab, generator=self.gen)
         pos = cache.length + 1  # index in `reference` of the token after the root
-        for i in range(self.block_size - 1):
+        for i in range(depth):
             if pos + i < len(self.reference) and torch.rand(1, generator=self.gen).item() < self.hit:
                 top = torch.topk(logits[i], self.spread).values
                 rank = int(torch.randint(self.spread, (1,), generator=self.gen))
