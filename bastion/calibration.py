@@ -64,6 +64,9 @@ class AcceptanceCalibrator:
         prior: pseudo-observations per bin pulling ĝ toward the identity.
         decay: factor applied to all counts after each observed round.
         grid: resolution of the lookup table used by :meth:`log_g`.
+        refresh: the table is rebuilt when the counts added since it was built exceed this share of
+            the (decayed) total: a 2% change in the evidence, not every round (a rebuild is ~0.5 ms
+            of a ~40 ms round on the 2-core CPU).
     """
 
     depth_groups: tuple[int, ...] = (1, 2, 3, 5, 9)
@@ -77,7 +80,9 @@ class AcceptanceCalibrator:
     hits: torch.Tensor = field(default=None)   # [G, bins] decayed accepted counts
     tries: torch.Tensor = field(default=None)  # [G, bins] decayed tested counts
     qsum: torch.Tensor = field(default=None)   # [G, bins] decayed Σ q of tested nodes
+    refresh: float = 0.02     # rebuild the log g table when new counts exceed this share of all
     _table: torch.Tensor | None = field(default=None, repr=False)  # [G, grid] log g on the q grid
+    _since: float = field(default=0.0, repr=False)  # counts observed since the table was built
 
     def __post_init__(self) -> None:
         if list(self.depth_groups) != sorted(set(self.depth_groups)) or self.depth_groups[0] != 1:
@@ -116,18 +121,21 @@ class AcceptanceCalibrator:
                 logp[i] = logp[tree.parents[i]] + cell
             self.path_pred = self.decay * self.path_pred + sum(math.exp(logp[i]) for i in mine)
             self.path_hits = self.decay * self.path_hits + sum(1 for i in mine if i in on_path)
-        n = 0
-        for i in range(1, len(tree)):
-            if tree.parents[i] not in on_path or tree.ranks[i] < 0:  # untested, or not the drafter's (lookup)
-                continue
-            q = min(max(raw_marginals[i], 0.0), 1.0)
-            g, b = self.group(tree.depths[i]), min(int(q * self.bins), self.bins - 1)
-            self.tries[g, b] += 1.0
-            self.qsum[g, b] += q
-            self.hits[g, b] += 1.0 if i in on_path else 0.0
-            n += 1
-        self._table = None
-        return n
+        # tested drafter nodes (a node whose parent was accepted; lookup nodes have their own rates)
+        tested = [i for i in range(1, len(tree)) if tree.parents[i] in on_path and tree.ranks[i] >= 0]
+        if tested:  # one scatter-add per count (element-wise tensor updates cost ~5 µs each)
+            qs = [min(max(raw_marginals[i], 0.0), 1.0) for i in tested]
+            cell = torch.tensor([self.group(tree.depths[i]) * self.bins + min(int(q * self.bins), self.bins - 1)
+                                 for i, q in zip(tested, qs)])
+            for counts, add in ((self.tries, [1.0] * len(tested)), (self.qsum, qs),
+                                (self.hits, [1.0 if i in on_path else 0.0 for i in tested])):
+                counts.view(-1).index_add_(0, cell, torch.tensor(add, dtype=counts.dtype))
+        # the log g table is rebuilt once the counts since it was built reach ``refresh`` of the
+        # decayed total (each round while few are known; every few rounds once thousands are)
+        self._since += len(tested)
+        if self._since > self.refresh * self.observed:
+            self._table, self._since = None, 0.0
+        return len(tested)
 
     def knots(self, g: int) -> tuple[list[float], list[float]]:
         """(q̄_b, ĝ_b) per bin of depth group g, ĝ made non-decreasing."""

@@ -22,6 +22,7 @@ Stored as ``datastore.safetensors`` beside the drafter's weights: the tokens as 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -89,7 +90,10 @@ class Datastore:
             if len(context) < n:
                 continue
             hashes, ends = self._index[n]
-            key = self._hash(torch.tensor(context[-n:], dtype=torch.long))
+            key = 0
+            for t in context[-n:]:  # _hash of one n-gram, in Python ints (a query is a few tokens)
+                key = key * (self.vocab_size + 1) + (int(t) + 1)
+            key = torch.tensor(key, dtype=torch.long)
             lo = int(torch.searchsorted(hashes, key))
             hi = int(torch.searchsorted(hashes, key, right=True))
             if hi == lo:
@@ -103,21 +107,20 @@ class Datastore:
         return None
 
     def _walk(self, cont: torch.Tensor) -> list[int]:
-        """Greedy frequency walk over continuations [m, k]: keep the agreeing rows at each depth."""
+        """Greedy frequency walk over continuations [m, k]: keep the agreeing rows at each depth; a
+        tie goes to the smaller token id. In Python lists: m ≤ ``cap`` rows of k ≤ ~10 tokens, where
+        a tensor op per depth cost more than the walk."""
         out: list[int] = []
-        live = cont
+        live = cont.tolist()
         for d in range(cont.shape[1]):
-            col = live[:, d]
-            col = col[col >= 0]  # a continuation that reached its reply's end votes for nothing
-            if col.numel() == 0:
+            votes = Counter(row[d] for row in live if row[d] >= 0)  # a reply's end votes for nothing
+            if not votes:
                 break
-            values, counts = torch.unique(col, return_counts=True)
-            best = int(counts.argmax())
-            if d > 0 and (int(counts[best]) < 2 or int(counts[best]) < self.min_share * live.shape[0]):
+            tok, count = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
+            if d > 0 and (count < 2 or count < self.min_share * len(live)):
                 break  # past the first token, follow only a continuation several occurrences agree on
-            tok = int(values[best])
             out.append(tok)
-            live = live[live[:, d] == tok]
+            live = [row for row in live if row[d] == tok]
         return out
 
     # ----------------------------------------------------------------- persistence

@@ -108,3 +108,24 @@ def test_path_scale_learns_how_much_path_products_overstate_and_scales_depth_one
     diff = cal.log_g(logq) - cal.log_g(logq, path_scale=False)
     assert torch.allclose(diff[0], torch.full((2,), math.log(cal.path_scale)))  # depth 1: every P(v) × κ
     assert torch.allclose(diff[1], torch.zeros(2))                              # deeper: unchanged
+
+
+def test_table_rebuilt_once_new_counts_reach_the_refresh_share():
+    """Between rebuilds the per-node fit is the last table's (the path scale κ still moves every
+    tree); a rebuild follows once the counts added since exceed ``refresh`` of the total, and
+    refresh = 0 rebuilds after every tree (the exact fit)."""
+    lazy, exact = AcceptanceCalibrator(decay=1.0, refresh=0.05), AcceptanceCalibrator(decay=1.0, refresh=0.0)
+    logq = torch.log(torch.tensor([[0.3, 0.6, 0.9]]))
+    stale = 0
+    for seed in range(300):
+        before = lazy.log_g(logq, path_scale=False).clone() if lazy.observed else None
+        _feed(lazy, lambda q: q * q, 1, seed=seed)
+        _feed(exact, lambda q: q * q, 1, seed=seed)
+        if lazy._table is not None:  # kept: log g unchanged although a count was added
+            assert before is not None and torch.equal(lazy.log_g(logq, path_scale=False), before)
+            assert lazy._since <= 0.05 * lazy.observed
+            stale += 1
+        else:
+            assert torch.equal(lazy.log_g(logq, path_scale=False), exact.log_g(logq, path_scale=False))
+    assert 200 < stale < 300  # most rounds reuse the table; rebuilds keep coming
+    assert torch.allclose(lazy.log_g(logq).exp(), exact.log_g(logq).exp(), atol=0.02)

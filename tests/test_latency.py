@@ -142,3 +142,28 @@ def test_per_size_ratio_follows_a_kinked_curve():
     back = LatencyModel.from_dict(lm.to_dict())
     assert back.shape == lm.shape and back.predict(5, 100) == lm.predict(5, 100)
     assert LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9)).shape_factor(7) == 1.0
+
+
+def test_refit_schedule_every_sample_while_short_then_every_kth():
+    """α, β are refitted on every sample while the window is short, then every ``refit_every``-th
+    sample (and always at the end of observe_many); ρ(s) follows every sample."""
+    m, hw = spec(), HardwareSpec("fake", 200e9, 25e9)
+    lm = LatencyModel(m, hw, refit_every=4)
+    rng = random.Random(1)
+    fits, rhos = [], []
+    for i in range(24):
+        s = rng.choice([1, 4, 8, 16, 32])
+        lm.observe(s, 300, 0.02 + 0.001 * s * (1 + rng.gauss(0, 0.05)))
+        fits.append((lm.compute.alpha, lm.compute.beta, lm.memory.alpha, lm.memory.beta))
+        rhos.append(dict(lm.shape))
+    changed = [i for i in range(1, 24) if fits[i] != fits[i - 1]]
+    assert set(range(1, 7)) <= set(changed)            # samples 2..7: refitted each time (window < 8)
+    late = [i for i in changed if i >= 8]
+    assert len(late) == 4 and all(b - a == 4 for a, b in zip(late, late[1:])), changed  # then every 4th only
+    assert all(rhos[i] != rhos[i - 1] for i in range(1, 24))      # ρ moves on every sample
+    every = LatencyModel(m, hw, refit_every=1)
+    points = [(s, 300, 0.02 + 0.001 * s) for s in (1, 2, 4, 8, 16, 32, 64) * 3]
+    lm2 = LatencyModel(m, hw, refit_every=4)
+    every.observe_many(points)
+    lm2.observe_many(points)
+    assert abs(lm2.predict(12, 300) - every.predict(12, 300)) / every.predict(12, 300) < 1e-9
