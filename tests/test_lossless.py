@@ -184,7 +184,7 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
     from bastion.engine import DraftDepth
     from bastion.tree import DraftTree
 
-    policy = DraftDepth(15, margin=3, window=2)
+    policy = DraftDepth(15, margin=3, window=2, floor=0)
     assert policy.depth() == 15  # the full block until a tree has been seen
     shallow = DraftTree.root_only(0)
     a = shallow.add(5, 0, 0.9, 0.9, 0)
@@ -203,11 +203,13 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
     policy.observe(DraftTree.root_only(0))
     policy.observe(DraftTree.root_only(0))
     assert policy.depth() == 3                # the window forgot the deep tree
+    policy.floor = 6
+    assert policy.depth() == 6                # never below the floor
 
     target = tiny_target("llama", dtype=torch.float64)
     prompt = [3, 5, 7]
     full = hf_greedy(target, prompt, 40)
-    drafter = OracleDrafter(tiny_drafter(target, block_size=16), full, target.vocab_size, hit=0.6, spread=2)
+    drafter = OracleDrafter(tiny_drafter(target, block_size=16), full, target.vocab_size, hit=0.3, spread=2)
     engine = Engine(target, drafter, kernels="torch", stop_ids=set())
     ref = full[len(prompt):]
     steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40, skip_draft=False)))
@@ -216,7 +218,7 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
     for s in steps:
         assert len(s.draft_logq) == expect, ([len(x.draft_logq) for x in steps], seen)
         seen.append(max((d for d, r in zip(s.tree.depths[1:], s.tree.ranks[1:]) if r >= 0), default=0))
-        expect = min(15, max(seen[-8:]) + 3)
+        expect = min(15, max(8, max(seen[-8:]) + 3))
     assert min(len(s.draft_logq) for s in steps) < 15  # the depth really adapted
     for strategy, kw, depth in (("fixed", {"budget": 4}, 4), ("chain", {}, 15),
                                 ("bastion", {"adaptive_depth": False, "skip_draft": False}, 15)):
