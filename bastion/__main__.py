@@ -34,6 +34,8 @@ def _generate_parser(sub) -> None:
                    help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
     g.add_argument("--no-pad-rows", action="store_true",
                    help="verify each tree as its own row count, not the cheapest count at or above it")
+    g.add_argument("--full-depth", action="store_true",
+                   help="bastion: draft the drafter's whole block every round, not only the depths its trees reach")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -55,7 +57,8 @@ def run_generate(a) -> int:
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
                            skip_draft=not a.no_skip_draft, lookup=not a.no_lookup, datastore=not a.no_datastore,
-                           calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows)
+                           calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
+                           adaptive_depth=not a.full_depth)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -47,3 +47,12 @@ def test_embedded_model_end_to_end(tmp_path):
     assert sum(len(x["tokens"]) for x in records) == len(out["token_ids"])
     ar = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--strategy", "ar").stdout)
     assert ar["token_ids"] == out["token_ids"] and ar["tau"] == 1.0
+    # the default drafts only the depths its trees reach (at least 8); --full-depth the whole block
+    drafted = [len(x["draft_logq"]) for x in records if x.get("draft_logq")]
+    assert drafted and drafted[0] == 15 and all(8 <= d <= 15 for d in drafted) and min(drafted) < 15
+    full_trace = tmp_path / "full.jsonl"
+    full = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--full-depth",
+                          "--trace", str(full_trace)).stdout)
+    assert full["token_ids"] == ar["token_ids"]
+    assert all(len(x["draft_logq"]) == 15 for x in map(json.loads, full_trace.read_text().splitlines())
+               if x.get("draft_logq"))
