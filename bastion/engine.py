@@ -195,8 +195,9 @@ def freeze_heap() -> None:
     (160 ms on the 2-core development machine, measured) and fires every few dozen rounds, in the
     middle of one, more often for a strategy that allocates more Python objects a round (trees,
     traces). Frozen, they are skipped; what decoding allocates is still collected. Garbage made by
-    loading is collected first. Frozen objects are released at exit (atexit), so nothing is reported
-    as leaked.
+    loading is collected first. A frozen object that is dropped later is still freed by reference
+    counting; only reference cycles among frozen objects wait until exit, when they are released
+    (atexit), so nothing is reported as leaked.
     """
     global _UNFREEZE_AT_EXIT
     gc.collect()

@@ -225,3 +225,17 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
         steps = list(engine.generate(prompt, GenerationConfig(strategy=strategy, max_new_tokens=40, **kw)))
         assert [t for s in steps for t in s.tokens] == ref, strategy
         assert all(len(s.draft_logq) == depth for s in steps if s.draft_ids), strategy
+
+
+def test_engine_freezes_the_loaded_heap_out_of_the_collector():
+    import gc
+
+    target = tiny_target("llama", dtype=torch.float64)
+    gc.unfreeze()
+    Engine(target, None, kernels="torch", stop_ids=set(), freeze=False)
+    assert gc.get_freeze_count() == 0
+    engine = Engine(target, None, kernels="torch", stop_ids=set())
+    assert gc.get_freeze_count() > 0  # the model's objects no longer scanned by full collections
+    prompt = [3, 5, 7]
+    assert engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=6)).token_ids == \
+        hf_greedy(target, prompt, 6)[len(prompt):]
