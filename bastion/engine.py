@@ -424,6 +424,8 @@ class Engine:
                                1.0 / max(self.latency.overhead_s + c1, 1e-12))
                 elif gate is not None:
                     exp.stop_reason = gate.reason()
+                if drafting and topk is not None and len(topk[0]) < depth.full:
+                    exp.stop_reason += f" · drafted {len(topk[0])} of {depth.full} depths"
                 proposals = copies.propose(drafting) if copies is not None else []
                 for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
                     n_before = len(exp.tree)

@@ -217,6 +217,7 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
     expect, seen = 15, []
     for s in steps:
         assert len(s.draft_logq) == expect, ([len(x.draft_logq) for x in steps], seen)
+        assert (f"drafted {expect} of 15 depths" in s.stop_reason) == (expect < 15)  # shown in the app
         seen.append(max((d for d, r in zip(s.tree.depths[1:], s.tree.ranks[1:]) if r >= 0), default=0))
         expect = min(15, max(8, max(seen[-8:]) + 3))
     assert min(len(s.draft_logq) for s in steps) < 15  # the depth really adapted
