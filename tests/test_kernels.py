@@ -436,3 +436,43 @@ def test_engine_output_same_with_triton_and_torch_backends(temperature):
                                                                  seed=5, budget=6)).token_ids
                          for s in ("ar", "chain", "fixed", "bastion")]
     assert outs["torch"] == outs["triton"]
+
+
+def test_two_stage_sampling_draws_the_reference_token():
+    """The torch backend's two-stage Gumbel-max draw returns the dense reference's token exactly:
+    peaked and flat rows, top-k / top-p thresholds, counters or an offset, small and large
+    temperatures, 64-bit seeds, a SmolLM2-sized vocabulary and one smaller than the first stage."""
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for vocab, n in ((40, 4), (1000, 7), (49152, 3)):
+        for scale in (0.1, 3.0, 8.0):
+            x = torch.randn(n, vocab, generator=g) * scale
+            x[:, :3] += 2 * scale  # a few strong candidates, as in a trained model
+            counters = torch.randint(0, 2**32 - 1, (n,), generator=g)
+            for temperature in (0.01, 0.7, 1.0, 2.0):
+                for seed in (0, 12345, 2**40 + 7):
+                    for thr in (None, R.filter_thresholds(x / temperature, 5, None),
+                                R.filter_thresholds(x / temperature, None, 0.9)):
+                        for kw in ({"offset": 11}, {"counters": counters}):
+                            want = R.node_choice_torch(x, temperature, thr, seed=seed, **kw)
+                            got = R.node_choice_two_stage(x, temperature, thr, seed=seed, **kw)
+                            assert torch.equal(got, want), (vocab, scale, temperature, seed, kw)
+                            cases += 1
+    assert cases == 3 * 3 * 4 * 3 * 3 * 2
+    # a node draws the same token alone as in a batch (a plain step and a tree forward agree)
+    x = torch.randn(9, 49152, generator=g) * 4
+    counters = torch.arange(300, 309)
+    batch = R.node_choice_two_stage(x, 1.0, None, seed=5, counters=counters)
+    assert all(int(R.node_choice_two_stage(x[i:i + 1], 1.0, None, seed=5, counters=counters[i:i + 1])) == int(batch[i])
+               for i in range(9))
+    assert torch.equal(R.node_choice_two_stage(x, 0.0), torch.argmax(x, dim=-1))
+    assert TORCH.node_choice is R.node_choice_two_stage
+
+
+def test_gumbel_noise_bound():
+    """GUMBEL_MAX, on which the two-stage draw's exactness rests, bounds the noise of the extreme
+    variate (and the uniform stream never reaches 0 or 1)."""
+    u = R.bits_to_unit(torch.tensor([0, 2**32 - 1], dtype=torch.int64))
+    noise = -torch.log(-torch.log(u))
+    assert 0.0 < float(u[0]) and float(u[1]) < 1.0
+    assert float(noise[1]) <= R.GUMBEL_MAX < float(noise[1]) + 0.01
