@@ -29,8 +29,7 @@ class Kernels:
     filter_thresholds: Callable[..., torch.Tensor | None] = reference.filter_thresholds
 
 
-# the torch backend samples with the two-stage draw: node_choice_torch's tokens, less hashing
-TORCH = Kernels("torch", reference.node_choice_two_stage, reference.tree_walk_torch, reference.tree_mask_torch)
+TORCH = Kernels("torch", reference.node_choice_torch, reference.tree_walk_torch, reference.tree_mask_torch)
 
 
 def triton_available() -> bool:

@@ -47,14 +47,9 @@ def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None,
     else:
         rows = torch.arange(offset, offset + n, device=device, dtype=torch.int64)
     cols = torch.arange(vocab, device=device, dtype=torch.int64)
-    return uniform_at(seed, rows[:, None], cols[None, :])
-
-
-def uniform_at(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """u = hash(seed, row counter, token) for broadcastable int64 tensors of row counters and token
-    ids: the variates of :func:`uniform_stream`, at chosen entries only."""
     key = _mix32(_mix32(rows ^ (seed & _MASK32)) + ((seed >> 32) & _MASK32))
-    return bits_to_unit(_mix32(key ^ _mix32(cols + 0x9E3779B9)))
+    h = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9)[None, :])
+    return bits_to_unit(h)
 
 
 def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
@@ -114,60 +109,6 @@ def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torc
     u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device, counters=counters)
     gumbel = -torch.log(-torch.log(u))
     return torch.argmax(x + gumbel, dim=-1)
-
-
-# The largest Gumbel noise −log(−log u) any variate gives: u ≤ 1 − 2^-24 (bits_to_unit), so
-# g ≤ 16.6355 in float32 (tests/test_kernels.py checks this bound against the extreme variate).
-GUMBEL_MAX = 16.64
-
-
-def node_choice_two_stage(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
-                          seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None,
-                          first: int = 64) -> torch.Tensor:
-    """:func:`node_choice_torch`'s token, hashing noise only where it can win.
-
-    The dense draw hashes a counter for every (node, token): ~18 int64 passes over [n, V], 8–12% of a
-    drafting round at T = 1 on the 2-core CPU. Stage 1 draws the noise of each row's ``first`` best
-    tempered logits; the best of those scores, L = max (x_v + g_v), is reached by some token, so the
-    winner's score is ≥ L. Since g ≤ GUMBEL_MAX, a token with x_v + GUMBEL_MAX < L cannot reach it.
-    Stage 2 draws the noise of the rest only (3% of the embedded target's vocabulary at T = 1) and
-    takes the argmax with every other entry at −inf: the same scores (same variates, same float ops),
-    the same first index among ties, so the same token. 4.0 → 1.7 ms for 9 rows.
-    """
-    x = logits.float()
-    if temperature <= 0.0:
-        return torch.argmax(x, dim=-1)
-    x = x / temperature
-    if thresholds is not None:
-        x = x.masked_fill(x < thresholds[:, None], float("-inf"))
-    n, vocab = x.shape
-    if counters is not None:
-        ctr = counters.to(device=x.device, dtype=torch.int64) & _MASK32
-    else:
-        ctr = torch.arange(offset, offset + n, device=x.device, dtype=torch.int64)
-    top, idx = torch.topk(x, min(first, vocab), dim=-1)
-    lower = (top - torch.log(-torch.log(uniform_at(seed, ctr[:, None], idx)))).max(dim=-1, keepdim=True).values
-    # a margin for float rounding of x + GUMBEL_MAX at large tempered logits (small T)
-    margin = GUMBEL_MAX + 1e-3 + 1e-5 * lower.abs()
-    rows, cols = torch.nonzero(x >= lower - margin, as_tuple=True)
-    scores = torch.full_like(x, float("-inf"))
-    scores[rows, cols] = x[rows, cols] + _gumbel(uniform_at(seed, ctr[rows], cols))
-    return torch.argmax(scores, dim=-1)
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    """−log(−log u) of a 1-D tensor, elementwise equal to the dense draw's values.
-
-    torch's CPU ``log`` runs vectorised (SLEEF) over whole vector chunks and a scalar routine over a
-    loop's remainder, and the two may differ in the last bit. The dense draw's [n, V] tensors (V a
-    multiple of 64, as in every vocabulary here) have no remainder; padding to a multiple of 64 per
-    thread gives this one none either, so a token's noise never depends on which other entries
-    share the call (a node in a tree and the same node in a plain step draw the same token).
-    """
-    pad = (-u.numel()) % (64 * max(1, torch.get_num_threads()))
-    if pad:
-        u = torch.cat([u, u.new_full((pad,), 0.5)])
-    return (-torch.log(-torch.log(u)))[:u.numel() - pad]
 
 
 def tree_walk_torch(parents: list[int], tokens: list[int], choices: torch.Tensor | list[int]) -> tuple[list[int], int]:
