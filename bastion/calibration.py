@@ -147,8 +147,9 @@ class AcceptanceCalibrator:
 
     def _build_table(self) -> torch.Tensor:
         """[G, grid] log g: each group's knots, through the origin and flat beyond the last one,
-        interpolated linearly on the q grid. Rebuilt after every observed round, so all groups are
-        interpolated in one batch of tensor ops (a loop per group cost ~1 ms a round)."""
+        interpolated linearly on the q grid. Rebuilt whenever ``refresh`` new evidence has come in
+        (every round at first), so all groups are interpolated in one batch of tensor ops (a loop per
+        group cost ~1 ms a round)."""
         xs, ys = [], []
         for g in range(len(self.depth_groups)):
             kx, ky = self.knots(g)

@@ -109,7 +109,9 @@ class DraftDepth:
         return max(1, min(self.full, max(self.floor, max(self.recent) + self.margin)))
 
     def observe(self, tree: DraftTree) -> None:
-        """Record the deepest drafter node (rank ≥ 0) of a drafted tree."""
+        """Record the deepest drafter node (rank ≥ 0) of a drafted tree (nothing when D is fixed)."""
+        if self.window == 0:
+            return
         self.recent.append(max((d for d, r in zip(tree.depths[1:], tree.ranks[1:]) if r >= 0), default=0))
         if len(self.recent) > self.window:
             self.recent.popleft()
