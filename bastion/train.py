@@ -453,8 +453,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
             records = load_shards(data, ids_only=live)
             n_shards = _count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
-            if drafter.draft_vocab is not None:
-                fit_vocab(len(drafter.draft_vocab))
+            if draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
+                fit_vocab(draft_vocab)
         if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
             _atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                           "rng": rng.getstate()}, state_path)

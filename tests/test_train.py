@@ -1,6 +1,7 @@
 """The training pipeline: the offline corpus, and `python -m bastion.train data|fit|plot` end to end."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,32 @@ def test_data_fit_resume_and_plot_on_the_embedded_target(tmp_path, capsys):
     both, starts = read_logs([ckpt, ckpt])
     assert [x["step"] for x in both] == [1, 2, 3, 4, 5, 6, 7, 8] and starts == [4]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path, monkeypatch):
+    """fit --init without --draft-vocab trains on the init drafter's vocabulary, also after a reload of
+    shards the data job wrote meanwhile (a vocabulary refitted on a small new folder would drop tokens
+    the drafter learned on all earlier data)."""
+    from bastion import train
+    from bastion.drafter import load_drafter, save_drafter
+
+    data = tmp_path / "data"
+    common = ["--threads", "1"]
+    assert train.main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "6"]
+                      + common) == 0
+    init = tmp_path / "init"
+    d = load_drafter(Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m", 576, 49152, 30)
+    vocab = torch.arange(100, 1124)  # not what the tiny data's token counts would pick
+    d.set_draft_vocab(vocab)
+    save_drafter(d, init)
+    counts = iter(range(1, 100))  # the shard count grows at every check: every checkpoint reloads
+    monkeypatch.setattr(train, "_count_shards", lambda data: next(counts))
+    fit = ["fit", "--data", str(data), "--ckpt", str(tmp_path / "ckpt"), "--rows", "2", "--anchors", "2",
+           "--loss-depths", "3", "--ckpt-every", "1", "--steps", "2", "--init", str(init),
+           "--export", str(tmp_path / "out")] + common
+    assert train.main(fit) == 0
+    out = load_drafter(tmp_path / "out", 576, 49152, 30)
+    assert torch.equal(out.draft_vocab, vocab)
 
 
 def test_ids_only_data_trains_with_live_features(tmp_path):
