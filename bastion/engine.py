@@ -23,6 +23,7 @@ from .drafter import DFlashDrafter
 from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
+from .kernels.reference import GumbelRows
 from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
 from .lookup import CopySources, LookupStats
 from .records import GenerationResult, StageTimes, Step
@@ -399,6 +400,8 @@ class Engine:
         copies = self.copy_sources(cfg, prompt_ids)
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         depth = self._draft_depth(cfg)
+        # sampled draws: each position's noise row hashed once per request, not once per round
+        noise = GumbelRows(params.seed, device) if params.temperature > 0 and self.kernels.reuses_noise else None
         index, t_start, paused = 0, time.perf_counter(), 0.0
         prefill_s = t_start - t_prefill
         while True:
@@ -445,7 +448,7 @@ class Engine:
             with self.timer(times, "verify"):
                 out = target.forward_tree(tokens, mask, pos)
             with self.timer(times, "commit"):
-                acc = accept(tree, out.logits[:n], params, self.kernels, pos[0, :n])
+                acc = accept(tree, out.logits[:n], params, self.kernels, pos[0, :n], noise)
                 target.commit(prefix, acc.accepted)
                 if dcache is not None and out.features is not None:  # encoded by the next draft
                     dcache.defer(out.features[acc.accepted])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import Kernels
+from .kernels.reference import GumbelRows
 from .tree import DraftTree
 
 
@@ -54,22 +55,26 @@ class Acceptance:
 
 
 def target_choices(logits: torch.Tensor, params: SamplingParams, kernels: Kernels,
-                   positions: torch.Tensor) -> torch.Tensor:
+                   positions: torch.Tensor, noise: GumbelRows | None = None) -> torch.Tensor:
     """One token per node [n]: argmax at T = 0, else an exact tempered/filtered sample.
 
-    ``positions`` [n] (the nodes' position ids) index the random stream.
+    ``positions`` [n] (the nodes' position ids) index the random stream. ``noise``: the request's
+    memo of noise rows (:class:`~bastion.kernels.reference.GumbelRows`), used by backends that
+    materialise the noise (``kernels.reuses_noise``); the draws are the same with or without it.
     """
     if params.temperature <= 0.0:
         return kernels.node_choice(logits, 0.0)
     thresholds = None
     if params.top_k or (params.top_p is not None and params.top_p < 1.0):
         thresholds = kernels.filter_thresholds(logits.float() / params.temperature, params.top_k or None, params.top_p)
+    if noise is not None and kernels.reuses_noise:
+        return kernels.node_choice(logits, params.temperature, thresholds, params.seed, 0, positions, noise=noise)
     return kernels.node_choice(logits, params.temperature, thresholds, params.seed, 0, positions)
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, kernels: Kernels,
-           positions: torch.Tensor) -> Acceptance:
+           positions: torch.Tensor, noise: GumbelRows | None = None) -> Acceptance:
     """Walk the tree against the target's per-node choices (greedy or sampled)."""
-    choices = target_choices(logits, params, kernels, positions).tolist()
+    choices = target_choices(logits, params, kernels, positions, noise).tolist()
     accepted, bonus = kernels.tree_walk(tree.parents, tree.tokens, choices)
     return Acceptance(accepted, bonus, choices)

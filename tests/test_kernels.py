@@ -436,3 +436,28 @@ def test_engine_output_same_with_triton_and_torch_backends(temperature):
                                                                  seed=5, budget=6)).token_ids
                          for s in ("ar", "chain", "fixed", "bastion")]
     assert outs["torch"] == outs["triton"]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_noise_memo_draws_what_the_stream_draws(vocab):
+    """GumbelRows reuses rows across rounds; every draw equals node_choice_torch without it, rows are
+    hashed once per position, and rows behind the walk are dropped."""
+    g = torch.Generator().manual_seed(vocab)
+    memo = R.GumbelRows(seed=7)
+    pos = 20
+    for depths in ([0, 1, 1, 2, 3], [0, 1, 2, 2, 2, 3, 4], [0], [0, 1, 1, 1]):
+        counters = torch.tensor([pos + d for d in depths])
+        x = torch.randn(len(depths), vocab, generator=g) * 3
+        thr = R.filter_thresholds(x, 5, None) if depths[0] % 2 == 0 and vocab > 5 else None
+        want = R.node_choice_torch(x, 0.8, thr, seed=7, counters=counters)
+        assert torch.equal(R.node_choice_torch(x, 0.8, thr, seed=7, counters=counters, noise=memo), want)
+        u = R.uniform_stream(7, 0, len(depths), vocab, counters=counters)
+        assert torch.equal(memo.rows(counters.tolist(), vocab), -torch.log(-torch.log(u)))
+        pos += 2  # two tokens committed: the next round's root sits two positions on
+    # positions 20..24 then 22..26, 24, 26..27: each hashed once, older ones dropped
+    assert memo.computed == len(set(range(20, 25)) | set(range(22, 27)) | {24} | set(range(26, 28)))
+    assert min(memo._rows) == 26
+    with pytest.raises(ValueError, match="vocabulary"):
+        memo.rows([30], vocab + 1)
+    with pytest.raises(ValueError, match="seed"):
+        R.node_choice_torch(torch.zeros(1, vocab), 1.0, seed=8, counters=torch.tensor([30]), noise=memo)

@@ -45,11 +45,11 @@ def chi2(counts, probs, n):
     return stat, len(cells)
 
 
-def lossy_accept(tree, logits, params, kernels, positions):
+def lossy_accept(tree, logits, params, kernels, positions, noise=None):
     """What the published code does at T > 0: match drafts against the argmax, sample only the bonus."""
     greedy = torch.argmax(logits, -1).tolist()
     path, _ = kernels.tree_walk(tree.parents, tree.tokens, greedy)
-    sampled = target_choices(logits, params, kernels, positions).tolist()
+    sampled = target_choices(logits, params, kernels, positions, noise).tolist()
     return Acceptance(path, sampled[path[-1]], greedy)
 
 
@@ -134,3 +134,38 @@ def test_sampled_output_is_the_same_for_every_strategy():
                                                         seed=seed, budget=9)).token_ids
                 for s in ("ar", "chain", "fixed", "bastion")}
         assert len({tuple(v) for v in outs.values()}) == 1, outs
+
+
+def test_noise_rows_are_hashed_once_per_position_and_change_no_draw(monkeypatch):
+    """With the torch backend a request hashes each position's noise row once (GumbelRows), not
+    once per tree node and round; the tokens equal those of a backend that hashes every row anew."""
+    import dataclasses
+
+    from bastion.kernels import TORCH
+    from bastion.kernels.reference import GumbelRows
+
+    target = tiny_target("qwen3", vocab=40, dtype=torch.float64, seed=5)
+    with torch.no_grad():
+        target.model.get_output_embeddings().weight.mul_(0.2)
+    drafter = tiny_drafter(target, block_size=5)
+    memos = []
+
+    class Recorded(GumbelRows):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            memos.append(self)
+
+    monkeypatch.setattr(engine_mod, "GumbelRows", Recorded)
+    reusing = Engine(target, drafter, kernels="torch", stop_ids=set())
+    fresh = Engine(target, drafter, kernels="torch", stop_ids=set())
+    fresh.kernels = dataclasses.replace(TORCH, reuses_noise=False)
+    for strategy in ("fixed", "bastion"):
+        cfg = GenerationConfig(strategy=strategy, max_new_tokens=24, temperature=1.0, seed=4, budget=9)
+        res = reusing.run([2, 3], cfg)
+        assert res.token_ids == fresh.run([2, 3], cfg).token_ids
+        nodes = res.mean_tree_size * res.steps
+        # one row per position the walk reached, plus the rejected depths of the last round
+        assert len(res.token_ids) <= memos[-1].computed <= len(res.token_ids) + drafter.block_size, \
+            (memos[-1].computed, nodes)
+        assert nodes > 1.5 * memos[-1].computed  # the trees drew from far more rows than were hashed
+    assert len(memos) == 2  # the fresh engine made none

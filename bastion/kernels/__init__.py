@@ -27,9 +27,13 @@ class Kernels:
     tree_walk: Callable[..., tuple[list[int], int]]
     tree_mask: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     filter_thresholds: Callable[..., torch.Tensor | None] = reference.filter_thresholds
+    # node_choice takes noise= (a request's reference.GumbelRows): a backend that materialises the
+    # noise reuses rows across rounds; one that hashes in registers (Triton) has nothing to reuse
+    reuses_noise: bool = False
 
 
-TORCH = Kernels("torch", reference.node_choice_torch, reference.tree_walk_torch, reference.tree_mask_torch)
+TORCH = Kernels("torch", reference.node_choice_torch, reference.tree_walk_torch, reference.tree_mask_torch,
+                reuses_noise=True)
 
 
 def triton_available() -> bool:

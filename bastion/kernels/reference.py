@@ -63,6 +63,45 @@ def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
+class GumbelRows:
+    """Memo of one request's Gumbel noise rows g_q = −log(−log u(seed, q, ·)), float32 [V] per stream row q.
+
+    A sampled verification draws node i from row positions[i] (see :func:`node_choice_torch`). The
+    nodes at one depth of a tree share a position, hence a row, and the next round draws again at the
+    positions this round rejected: of the ~n rows a round needs, about τ are new. Each row is hashed
+    once (a round's new rows in one batch) and dropped once the walk has moved past it (positions only
+    grow within a request). Noise is element-wise in (seed, q, v), so a row is the same whichever
+    batch computed it, and every draw is the one :func:`node_choice_torch` makes without the memo.
+    """
+
+    def __init__(self, seed: int, device=None, keep: int = 64):
+        self.seed, self.device, self.keep = seed, device, keep
+        self.vocab: int | None = None
+        self._rows: dict[int, torch.Tensor] = {}
+        self.computed = 0  # rows hashed so far (for tests and profiling)
+
+    def rows(self, counters: list[int], vocab: int) -> torch.Tensor:
+        """Noise [len(counters), vocab] for these stream rows, hashing only the ones not seen yet."""
+        if self.vocab is None:
+            self.vocab = vocab
+        elif vocab != self.vocab:
+            raise ValueError(f"noise rows were made for a vocabulary of {self.vocab}, got {vocab}")
+        low = min(counters)
+        for c in [c for c in self._rows if c < low]:  # behind the walk: never drawn from again
+            del self._rows[c]
+        new = sorted({c for c in counters if c not in self._rows})
+        if new:
+            u = uniform_stream(self.seed, 0, len(new), vocab, device=self.device,
+                               counters=torch.tensor(new, dtype=torch.int64))
+            for c, row in zip(new, -torch.log(-torch.log(u))):
+                self._rows[c] = row
+            self.computed += len(new)
+        out = torch.stack([self._rows[c] for c in counters])
+        while len(self._rows) > self.keep:  # a bound for callers whose counters do not advance
+            del self._rows[min(self._rows)]
+        return out
+
+
 def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor | None:
     """Per-node logit thresholds for top-k / top-p, float32 [n], or None when neither applies.
 
@@ -89,7 +128,8 @@ def filter_thresholds(logits: torch.Tensor, top_k: int | None, top_p: float | No
 
 
 def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torch.Tensor | None = None,
-                      seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
+                      seed: int = 0, offset: int = 0, counters: torch.Tensor | None = None,
+                      noise: GumbelRows | None = None) -> torch.Tensor:
     """One token per node, int64 [n].
 
     Args:
@@ -99,6 +139,8 @@ def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torc
         seed, offset: the random stream; row i uses counter offset + i ...
         counters: ... or counters[i] [n] when given. The engine passes each node's position id,
             so the draw for the token at position q always comes from row q, whatever the tree.
+        noise: a request's :class:`GumbelRows` (same seed; needs ``counters``): rows drawn in
+            earlier rounds are reused instead of hashed again — the same draws, less work.
     """
     x = logits.float()
     if temperature <= 0.0:
@@ -106,8 +148,13 @@ def node_choice_torch(logits: torch.Tensor, temperature: float, thresholds: torc
     x = x / temperature
     if thresholds is not None:
         x = x.masked_fill(x < thresholds[:, None], float("-inf"))
-    u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device, counters=counters)
-    gumbel = -torch.log(-torch.log(u))
+    if noise is not None:
+        if counters is None or noise.seed != seed:
+            raise ValueError("noise rows need the row counters and the seed they were made with")
+        gumbel = noise.rows([int(c) for c in counters.tolist()], x.shape[1]).to(x.device)
+    else:
+        u = uniform_stream(seed, offset, x.shape[0], x.shape[1], device=x.device, counters=counters)
+        gumbel = -torch.log(-torch.log(u))
     return torch.argmax(x + gumbel, dim=-1)
 
 
