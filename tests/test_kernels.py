@@ -461,3 +461,38 @@ def test_noise_memo_draws_what_the_stream_draws(vocab):
         memo.rows([30], vocab + 1)
     with pytest.raises(ValueError, match="seed"):
         R.node_choice_torch(torch.zeros(1, vocab), 1.0, seed=8, counters=torch.tensor([30]), noise=memo)
+
+
+def _kept_exactly(x, top_p, top_k=None):
+    """Tokens the top-p/top-k rule keeps, in float64 (sorted row, mass before each token < top_p),
+    and per row the smallest distance of a prefix mass to top_p (where float32 may decide otherwise)."""
+    s, _ = torch.sort(x.double(), dim=-1, descending=True)
+    probs = torch.softmax(s, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep = before < top_p
+    keep[:, 0] = True
+    if top_k:
+        keep[:, top_k:] = False
+    threshold = s.gather(1, (keep.sum(-1) - 1)[:, None])  # tokens tied with the last kept one stay
+    return (x.double() >= threshold).sum(-1), (before - top_p).abs().min(-1).values
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 30.0])
+def test_top_p_search_finds_the_threshold_of_a_full_sort(scale):
+    """filter_thresholds searches the sorted prefix with growing top-k instead of sorting all V logits;
+    the thresholds equal a one-shot full sort's, from nearly flat rows (the prefix needs thousands of
+    tokens: the search goes on to the whole row) to peaked ones, and keep the tokens the rule keeps
+    in float64 (except where a prefix mass lies within float32 rounding of top_p)."""
+    g = torch.Generator().manual_seed(int(scale * 100))
+    x = torch.randn(7, 49152, generator=g) * scale
+    x[3, :10] = x[3].max() + 1  # ties at the top
+    for top_p in (0.0, 0.3, 0.9, 0.99):
+        for top_k in (None, 40, 5000):
+            limit = top_k or x.shape[-1]
+            got = R.filter_thresholds(x, top_k, top_p)
+            assert torch.equal(got, R._top_p_thresholds(x, top_p, limit, first=limit)), (top_p, top_k)
+            want, margin = _kept_exactly(x, top_p, top_k)
+            kept = (x >= got[:, None]).sum(-1)
+            close = margin < 1e-5
+            assert torch.equal(kept[~close], want[~close]), (top_p, top_k)
+            assert ((kept - want).abs() <= 1).all()
