@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder to write datastore.safetensors into "
                                                             "(the drafter's folder, so it is found with it)")
     ap.add_argument("--vocab-size", type=int, default=None, help="the target's vocabulary (default: from --out's config.json)")
+    ap.add_argument("--extend", action="store_true",
+                    help="keep the replies of --out's existing datastore and append these (when the "
+                         "shards it was built from are no longer at hand)")
     a = ap.parse_args(argv)
     try:
         vocab = a.vocab_size
@@ -181,11 +184,19 @@ def main(argv: list[str] | None = None) -> int:
             vocab = int(json.loads((a.out / "config.json").read_text())["vocab_size"])
         records = load_shards(a.data, ids_only=True)  # the features are not needed
         seqs = [r["ids"].tolist() if hasattr(r["ids"], "tolist") else list(r["ids"]) for r in records]
-        path = Datastore.from_sequences(seqs, vocab).save(a.out)
+        store = Datastore.from_sequences(seqs, vocab)
+        kept = ""
+        if a.extend:  # the old replies first: a query's latest occurrences are then the new ones
+            old = Datastore.load(a.out, vocab).tokens
+            n_old = int((old == -1).sum())
+            store = Datastore(torch.cat([old, store.tokens]), vocab)
+            kept = f" after {n_old} kept sequences ({len(old) - n_old} tokens)"
+        path = store.save(a.out)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{path}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {path.stat().st_size / 2**20:.1f} MiB")
+    print(f"{path}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens{kept}, "
+          f"{path.stat().st_size / 2**20:.1f} MiB")
     return 0
 
 

@@ -141,3 +141,18 @@ def test_build_command_writes_the_datastore_from_training_shards(tmp_path, capsy
     assert ds.propose([1, 2], 3).tokens == [3]  # then 4 and 5 split: the walk stops
     assert main(["--data", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no shards" in capsys.readouterr().err
+    assert Datastore.load(out, 10).propose([7, 2], 3) is None
+    # --extend appends new replies to the stored ones (whose shards may be gone)
+    more = tmp_path / "more"
+    more.mkdir()
+    torch.save([{"ids": torch.tensor([7, 2, 3, 4]), "prompt_len": 1}], more / "shard_00000.pt")
+    assert main(["--data", str(more), "--out", str(out), "--extend"]) == 0
+    assert "1 sequences, 4 tokens after 2 kept sequences (8 tokens)" in capsys.readouterr().out
+    ds = Datastore.load(out, 10)
+    assert ds.tokens.tolist() == [1, 2, 3, 4, -1, 1, 2, 3, 5, -1, 7, 2, 3, 4, -1]
+    assert ds.propose([7, 2], 3).tokens == [3]  # only the appended reply has (7, 2)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"vocab_size": 10}')
+    assert main(["--data", str(more), "--out", str(empty), "--extend"]) == 2  # nothing to extend
+    assert "no datastore" in capsys.readouterr().err
