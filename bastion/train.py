@@ -1,6 +1,7 @@
 """Self-distillation of a DFlash drafter for a target, on CPU (or one GPU), resumable.
 
     python -m bastion.train data  --out DIR [--corpus base|broad|self] [--prompts N] [--batch 32] [--max-new-tokens 160]
+    python -m bastion.train replay --datastore FOLDER --out DIR [--sequences N]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
                                   [--init FOLDER] [--draft-vocab N] [--export FOLDER]
 
@@ -177,6 +178,77 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
             feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
             for i, r in enumerate(records):
                 r["feats"] = feats[i, :len(r["ids"])].to(torch.float16).clone()
+        _atomic_save(records, path)
+        _progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+def assistant_header(tokenizer) -> list[int]:
+    """The tokens that open the assistant's turn: the common suffix of two chat-templated prompts."""
+    a, b = encode_prompt(tokenizer, "a"), encode_prompt(tokenizer, "b")
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]
+
+
+@torch.inference_mode()
+def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: int, layer_ids: list[int],
+                seed: int = 0) -> None:
+    """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample), for training on
+    earlier data whose shards are gone: the datastore keeps every reply's token ids (prompt included),
+    so one forward per batch restores the features — no generation. The prompt ends after the last
+    assistant header (:func:`assistant_header`); replies without one are skipped."""
+    from .datastore import Datastore
+
+    store = Datastore.load(datastore, target.vocab_size)
+    flat = store.tokens.tolist()
+    seqs, cur = [], []
+    for t in flat:
+        if t == -1:
+            seqs.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    header = assistant_header(target.tokenizer)
+    h = len(header)
+
+    def split(q: list[int]) -> int:
+        for i in range(len(q) - h, -1, -1):
+            if q[i:i + h] == header:
+                return i + h
+        return -1
+
+    pairs = [(q, split(q)) for q in seqs]
+    pairs = [(q, p) for q, p in pairs if 0 < p < len(q)]
+    if not pairs:
+        raise ValueError(f"{datastore}: no stored reply follows an assistant header of this target's chat template")
+    random.Random(seed).shuffle(pairs)
+    pairs = pairs[:n_seqs]
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
+            "features": True, "datastore": str(datastore)}
+    old = out / "meta.json"
+    if old.is_file() and any(out.glob("shard_*.pt")):
+        prev = json.loads(old.read_text())
+        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if prev.get(k) != meta[k]]
+        if clash:
+            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
+    old.write_text(json.dumps(meta))
+    target.set_feature_layers(layer_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    n_shards, t0 = math.ceil(len(pairs) / batch), time.time()
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.pt"
+        if path.exists():
+            continue
+        chunk = pairs[s * batch:(s + 1) * batch]
+        L = max(len(q) for q, _ in chunk)
+        full = torch.tensor([q + [pad] * (L - len(q)) for q, _ in chunk])
+        fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q, _ in chunk])
+        feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
+        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": p,
+                    "feats": feats[i, :len(q)].to(torch.float16).clone()} for i, (q, p) in enumerate(chunk)]
         _atomic_save(records, path)
         _progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
@@ -498,11 +570,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
     f.add_argument("--live-features", action="store_true",
                    help="run the target on every batch for its features instead of reading them from the shards")
+    r = sub.add_parser("replay", help="feature shards for replies kept in a datastore (when their shards are gone)")
+    r.add_argument("--datastore", type=Path, required=True, help="a folder holding datastore.safetensors")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--sequences", type=int, default=2048, help="how many stored replies (a seeded sample)")
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
+    r.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
     c.add_argument("--ckpt", type=Path, required=True, action="append",
                    help="checkpoint folder; repeat to draw a lineage of warm-started runs end to end")
     c.add_argument("--out", type=Path, required=True)
-    for p in (d, f):
+    for p in (d, f, r):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
@@ -526,6 +605,15 @@ def main(argv: list[str] | None = None) -> int:
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
                   spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
                   features=not a.no_features)
+    elif a.cmd == "replay":
+        if a.sequences < 1 or a.batch < 1:
+            ap.error("--sequences and --batch must be positive")
+        try:
+            make_replay(target, a.out, a.datastore, a.sequences, a.batch,
+                        spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,

@@ -209,3 +209,29 @@ def test_gpu_payload_turns_feature_shards_into_ids_only_folders(tmp_path):
     assert all(set(r) == {"ids", "prompt_len"} for r in out)
     meta = json.loads((tmp_path / "ids" / "self" / "meta.json").read_text())
     assert meta["features"] is False and meta["layer_ids"] == [1, 2] and meta["prompts"] == 2
+
+
+def test_replay_restores_feature_shards_from_a_datastore(tmp_path, capsys):
+    """train replay: the replies a datastore keeps become training shards again — same ids, the
+    prompt split at the assistant header, and the features the data job had computed."""
+    from bastion.datastore import main as build_datastore
+    from bastion.train import load_shards, main
+
+    data, store, out = tmp_path / "data", tmp_path / "store", tmp_path / "replay"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "3", "--batch", "2", "--max-new-tokens", "6"] + common) == 0
+    store.mkdir()
+    (store / "config.json").write_text('{"vocab_size": 49152}')
+    assert build_datastore(["--data", str(data), "--out", str(store)]) == 0
+    assert main(["replay", "--datastore", str(store), "--out", str(out), "--sequences", "5", "--batch", "2"]
+                + common) == 0
+    made = {tuple(r["ids"].tolist()): r for r in load_shards(data)}
+    back = load_shards(out)
+    assert len(back) == 3 and len(list(out.glob("shard_*.pt"))) == 2
+    for r in back:
+        ref = made[tuple(r["ids"].tolist())]
+        assert r["prompt_len"] == ref["prompt_len"]
+        assert torch.allclose(r["feats"].float(), ref["feats"].float(), rtol=1e-2, atol=2e-2)  # fp16, other padding
+    capsys.readouterr()
+    assert main(["replay", "--datastore", str(tmp_path), "--out", str(out)] + common) == 2
+    assert "no datastore" in capsys.readouterr().err
