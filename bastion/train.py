@@ -598,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--device {a.device!r}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
+    if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
+        print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
+        return 2  # before the target loads
     target = load_target(a.model, torch.float32, str(device))
     if a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
