@@ -138,13 +138,9 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
     meta = {"layer_ids": layer_ids, "prompts": n_prompts, "max_new_tokens": max_new_tokens, "batch": batch,
             "corpus": corpus, "seed": seed, "features": features}
-    old = out / "meta.json"
-    if old.is_file() and any(out.glob("shard_*.pt")):
-        prev = json.loads(old.read_text())
-        before = {"corpus": "base", "seed": 0, "features": True} | prev  # folders made before these keys existed
-        clash = [k for k in ("layer_ids", "corpus", "seed", "batch", "features") if before.get(k) != meta[k]]
-        if clash:  # finished shards would silently belong to another prompt list
-            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
+    # folders made before these keys existed
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
+                           {"corpus": "base", "seed": 0, "features": True})
     if corpus == "self":
         prompts = _requests_file(target, out, n_prompts, seed, batch=batch)
     else:
@@ -170,17 +166,35 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         for e, g in zip(enc, gen.tolist()):
             stop = next((i for i, t in enumerate(g) if t in (tok.eos_token_id, pad)), len(g) - 1)
             seqs.append(e + g[:stop + 1])
+        _atomic_save(_records(target, seqs, [len(e) for e in enc], pad, features), path)
+        _progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+def _refuse_other_settings(out: Path, meta: dict, keys: tuple[str, ...], defaults: dict | None = None) -> None:
+    """Raise if ``out`` already holds shards made with other values of ``keys`` (finished shards would
+    silently belong to another prompt list); ``defaults`` fill keys older folders lack."""
+    old = out / "meta.json"
+    if old.is_file() and any(out.glob("shard_*.pt")):
+        prev = (defaults or {}) | json.loads(old.read_text())
+        clash = [k for k in keys if prev.get(k) != meta[k]]
+        if clash:
+            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
+
+
+def _records(target: Target, seqs: list[list[int]], prompt_lens: list[int], pad: int,
+             features: bool = True) -> list[dict]:
+    """Shard records {ids, prompt_len[, feats]}: one forward over the right-padded batch gives every
+    token's feature-layer states (fp16)."""
+    records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": p} for q, p in zip(seqs, prompt_lens)]
+    if features:
         L = max(map(len, seqs))
         full = torch.tensor([q + [pad] * (L - len(q)) for q in seqs])
         fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q in seqs])
-        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": len(e)} for q, e in zip(seqs, enc)]
-        if features:
-            feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
-            for i, r in enumerate(records):
-                r["feats"] = feats[i, :len(r["ids"])].to(torch.float16).clone()
-        _atomic_save(records, path)
-        _progress(s + 1, n_shards, t0, f"shard {s}")
-    print(file=sys.stderr)
+        feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
+        for i, r in enumerate(records):
+            r["feats"] = feats[i, :len(seqs[i])].to(torch.float16).clone()
+    return records
 
 
 def assistant_header(tokenizer) -> list[int]:
@@ -228,13 +242,8 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
             "features": True, "datastore": str(datastore)}
-    old = out / "meta.json"
-    if old.is_file() and any(out.glob("shard_*.pt")):
-        prev = json.loads(old.read_text())
-        clash = [k for k in ("layer_ids", "corpus", "seed", "batch") if prev.get(k) != meta[k]]
-        if clash:
-            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
-    old.write_text(json.dumps(meta))
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch"))
+    (out / "meta.json").write_text(json.dumps(meta))
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     n_shards, t0 = math.ceil(len(pairs) / batch), time.time()
@@ -243,13 +252,7 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
         if path.exists():
             continue
         chunk = pairs[s * batch:(s + 1) * batch]
-        L = max(len(q) for q, _ in chunk)
-        full = torch.tensor([q + [pad] * (L - len(q)) for q, _ in chunk])
-        fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q, _ in chunk])
-        feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
-        records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": p,
-                    "feats": feats[i, :len(q)].to(torch.float16).clone()} for i, (q, p) in enumerate(chunk)]
-        _atomic_save(records, path)
+        _atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad), path)
         _progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
 
