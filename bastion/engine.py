@@ -35,6 +35,11 @@ STRATEGIES = ("ar", "chain", "fixed", "bastion")
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
 PROBE_ROWS = 16          # Engine.probe_latency times every row count 1..PROBE_ROWS (RowPadding) ...
 PROBE_SIZES = (32, 64)   # ... and these larger trees, so C(n)'s slope is measured
+# ... after this many context tokens: a decode's typical context (prompt + up to 128 new tokens), not
+# a nearly empty cache — at 32 tokens the rows' costs ranked differently (3 rows dearer than 4) than
+# at 150, and trees were padded into dearer row counts (bench/NOTES.md, session 12)
+PROBE_CONTEXT = 128
+PROBE_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -328,8 +333,8 @@ class Engine:
             full = min(full, cfg.budget)
         return DraftDepth(full, window=0)
 
-    def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES, context: int = 32,
-                      repeats: int = 3) -> None:
+    def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES,
+                      context: int = PROBE_CONTEXT, repeats: int = PROBE_REPEATS) -> None:
         """Time verifications of 1..max_rows rows and of a few larger trees on a dummy context.
 
         Two uses of the same forwards. (1) The row-padding table (:class:`RowPadding`): on a CPU a

@@ -61,12 +61,17 @@ def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_n
 
 
 @torch.inference_mode()
-def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: int = 16
+def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: int = 16, block: int | None = None
                   ) -> tuple[list[int], list[list[bool]]]:
-    """For every anchor a in the reply: accepted chain length and per-depth hits of the drafter's argmax."""
+    """For every anchor a in the reply: accepted chain length and per-depth hits of the drafter's argmax.
+
+    ``block`` B' ≤ B: draft blocks of B' tokens, [token_a, MASK × (B'−1)] — what a decoding round with
+    an adaptive draft depth D = B'−1 runs (engine.DraftDepth); default the drafter's own B."""
     from .train import block_mask  # the training-time packing of several blocks into one row
 
-    ids, P, B = rec["ids"], rec["prompt_len"], drafter.block_size
+    ids, P, B = rec["ids"], rec["prompt_len"], block or drafter.block_size
+    if not 2 <= B <= drafter.block_size:
+        raise ValueError(f"block must be in [2, {drafter.block_size}], got {B}")
     n = len(ids)
     dt = drafter.fc.weight.dtype
     feats = rec["feats"].to(dt)[None]
@@ -135,12 +140,14 @@ def simulate_tau(accepted: list[int]) -> tuple[int, int]:
     return tokens, rounds
 
 
-def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None) -> dict:
+def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None,
+             block: int | None = None) -> dict:
     """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain, lookup,
-    both; with a datastore also datastore and all)."""
+    both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`."""
     groups: dict[str, dict] = {}
+    depths = min(depths, (block or drafter.block_size) - 1)
     for rec in records:
-        lengths, hits = chain_lengths(drafter, target, rec)
+        lengths, hits = chain_lengths(drafter, target, rec, block=block)
         looks = lookup_lengths(rec)
         sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
         if datastore is not None:
@@ -171,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "bastion" / "heldout.pt",
                     help="where the target's continuations are kept between runs")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--block", type=int, default=None,
+                    help="draft blocks of this many tokens (the engine drafts depth + 1; default the drafter's "
+                         "block size)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.threads:
@@ -185,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(Path(a.drafter), target.hidden_size, target.vocab_size, target.num_layers,
                                dtype=torch.float32)
     drafter = drafter.float().eval()
+    if a.block is not None and not 2 <= a.block <= drafter.block_size:
+        ap.error(f"--block must be in [2, {drafter.block_size}]")
     records = eval_records(target, drafter.cfg.target_layer_ids, a.cache)
-    res = evaluate(drafter, target, records, datastore=datastore)
+    res = evaluate(drafter, target, records, datastore=datastore, block=a.block)
     if a.json:
         print(json.dumps(res))
         return 0
     sims = list(res["all"]["tau"])
-    print(f"| prompts | acc depth 1–8 | chain length | {' | '.join(f'τ {k}' for k in sims)} |\n"
+    print(f"| prompts | acc depth 1–{len(res['all']['acc'])} | chain length | {' | '.join(f'τ {k}' for k in sims)} |\n"
           f"|---|---|---:|{'---:|' * len(sims)}")
     for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
         print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "

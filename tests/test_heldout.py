@@ -1,5 +1,6 @@
 """The teacher-forced held-out evaluation agrees with what the engine does."""
 
+import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
@@ -57,3 +58,29 @@ def test_datastore_lengths_count_matching_proposed_tokens():
     ds = Datastore.from_sequences([[0, 1, 2, 3, 4, 5]] * 2, 10, ngrams=(1,))  # twice: the walk needs agreement
     # anchor 2 (token 1): proposes 2 3 4 5, the reply goes 2 3 4 8 → 3; then 3 4 5 vs 3 4 8 → 2; ...
     assert datastore_lengths(rec, ds, max_tokens=4) == [3, 2, 1, 0]
+
+
+def test_a_shorter_block_scores_what_the_engine_drafts_at_that_depth():
+    """chain_lengths(block=B') judges the block [token_a, MASK × (B'−1)] — what DFlashDrafter.draft
+    runs at depth B'−1 (the engine's adaptive depth) — not the full block."""
+    target = tiny_target("llama", dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = [3, 5, 7, 11, 2, 9, 4, 4, 8, 1, 6, 3]
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+    rec = {"category": "x", "ids": ids, "prompt_len": 4, "feats": feats}
+    _, hits = chain_lengths(drafter, target, rec, block=4)
+    _, full = chain_lengths(drafter, target, rec)
+    # rows end where the reply ends
+    assert [len(h) for h in hits] == [min(3, len(ids) - 1 - a) for a in range(3, len(ids) - 1)]
+    assert [len(h) for h in full] == [min(5, len(ids) - 1 - a) for a in range(3, len(ids) - 1)]
+    for a in range(3, len(ids) - 1):
+        cache = drafter.new_cache()
+        drafter.extend_cache(cache, feats[:a])
+        pred = drafter.draft(cache, ids[a], target.embed, target.lm_head, depth=3).argmax(-1).tolist()
+        truth = ids[a + 1:a + 4]
+        assert hits[a - 3] == [p == t for p, t in zip(pred, truth)], a
+    res = evaluate(drafter, target, [rec], block=4)
+    assert len(res["all"]["acc"]) == 3
+    with pytest.raises(ValueError, match="block"):
+        chain_lengths(drafter, target, rec, block=7)

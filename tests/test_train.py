@@ -175,6 +175,30 @@ def test_ids_only_data_trains_with_live_features(tmp_path):
     assert load_drafter(tmp_path / "drafter", 576, 49152, 30).cfg.target_layer_ids == [1, 10, 18, 27]
 
 
+def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
+    """fit --blocks 3,5: each step trains blocks of 3 or 5 tokens (depths 1..min(D, B'−1)) on the
+    16-token drafter; a length the drafter cannot hold is refused before training."""
+    from bastion.drafter import load_drafter
+    from bastion.train import main
+
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"]
+                + common) == 0
+    fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
+           "--ckpt-every", "4", "--steps", "8", "--export", str(tmp_path / "drafter")] + common
+    with pytest.raises(ValueError, match="outside"):
+        main(fit + ["--blocks", "3,17"])
+    with pytest.raises(SystemExit):
+        main(fit + ["--blocks", "3,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(fit + ["--blocks", "3,5"]) == 0
+    log = [json.loads(x) for x in (ckpt / "log.jsonl").read_text().splitlines()]
+    # depths trained: 2 for 3-token blocks, 3 (the --loss-depths cap) for 5-token ones
+    assert {len(x["acc"]) for x in log} == {2, 3} and all(x["loss"] > 0 for x in log)
+    assert load_drafter(tmp_path / "drafter", 576, 49152, 30).block_size == 16
+
+
 def test_train_cli_rejects_a_device_it_cannot_use(capsys):
     from bastion.train import main
 
