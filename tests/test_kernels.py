@@ -182,6 +182,23 @@ def test_node_choice_edge_cases():
     assert TK.node_choice(torch.zeros(0, 10, device=DEV), 1.0).shape == (0,)
 
 
+def test_cpu_argmax_keeps_torchs_rule():
+    """argmax_rows (NumPy's argmax on the CPU) returns what torch.argmax returns: the first of tied
+    maxima, 0 on an all −inf row, the first NaN where a row has one; views and empty inputs too."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 3, (64, 500), generator=g).float()  # many ties
+    x[5] = float("-inf")
+    x[6, 10] = x[6, 400] = float("nan")
+    x[7, 499] = float("inf")
+    for t in (x, x[:, 50:450], x.t().contiguous().t(), x[::3]):
+        got = R.argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(t, dim=-1))
+    assert R.argmax_rows(x)[5] == 0 and R.argmax_rows(x)[6] == 10
+    assert R.argmax_rows(torch.zeros(0, 10)).shape == (0,)
+    big = torch.randn(9, 49152, generator=g)
+    assert torch.equal(R.argmax_rows(big), torch.argmax(big, dim=-1))
+
+
 def test_many_rows_small_vocab():
     x = _logits(256, 8, scale=1.0, seed=12)
     assert torch.equal(TK.node_choice(x, 1.0, seed=99, offset=1000),
