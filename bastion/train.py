@@ -604,6 +604,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
     a = ap.parse_args(argv)
+    blocks = None
+    if a.cmd == "fit" and a.blocks:  # checked before anything loads
+        try:
+            blocks = [int(x) for x in a.blocks.split(",")]
+        except ValueError:
+            ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
+        if min(blocks) < 2 or (a.init is None and max(blocks) > a.block):
+            ap.error(f"--blocks {a.blocks!r}: block lengths must lie in [2, --block = {a.block}]")
     if a.cmd == "plot":
         log, starts = read_logs(a.ckpt)
         plot_log(log, a.out, starts=starts)
@@ -636,10 +644,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:
-        try:
-            blocks = [int(x) for x in a.blocks.split(",")] if a.blocks else None
-        except ValueError:
-            ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
             draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks)

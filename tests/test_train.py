@@ -187,11 +187,18 @@ def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
                 + common) == 0
     fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
            "--ckpt-every", "4", "--steps", "8", "--export", str(tmp_path / "drafter")] + common
+    for bad, why in (("3,x", "comma-separated integers"), ("3,17", "must lie in [2, --block = 16]"),
+                     ("1,3", "must lie in")):
+        with pytest.raises(SystemExit):
+            main(fit + ["--blocks", bad])
+        assert why in capsys.readouterr().err
+    # with --init the drafter's own block size bounds them (known once it is loaded)
+    init = tmp_path / "init"
+    from bastion.drafter import save_drafter
+    save_drafter(load_drafter(Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m",
+                              576, 49152, 30), init)
     with pytest.raises(ValueError, match="outside"):
-        main(fit + ["--blocks", "3,17"])
-    with pytest.raises(SystemExit):
-        main(fit + ["--blocks", "3,x"])
-    assert "comma-separated integers" in capsys.readouterr().err
+        main(fit + ["--blocks", "3,20", "--init", str(init)])
     assert main(fit + ["--blocks", "3,5"]) == 0
     log = [json.loads(x) for x in (ckpt / "log.jsonl").read_text().splitlines()]
     # depths trained: 2 for 3-token blocks, 3 (the --loss-depths cap) for 5-token ones
