@@ -522,6 +522,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.05)
+        # a single full-length block draws nothing: runs without --blocks keep their exact batch stream
+        # (and resume bit for bit from checkpoints written before the option existed)
         b = drafter.block_size if blocks == [drafter.block_size] else rng.choice(blocks)
         batch = make_batch(records, rows, anchors, b, mask_token_id, rng).to(device)
         loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths)
