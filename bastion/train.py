@@ -27,6 +27,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -303,6 +304,35 @@ def new_drafter(target: Target, layers: int, layer_ids: list[int], block_size: i
     return drafter
 
 
+def grow_drafter(drafter: DFlashDrafter, target: Target, layers: int) -> DFlashDrafter:
+    """``drafter`` with layers appended (before the final norm) up to ``layers``, computing exactly what
+    it computed before: each new layer's attention and MLP weights are the target's (its last layers,
+    as in :func:`new_drafter`) except ``o_proj`` and ``down_proj``, which start at zero, so both of its
+    residual branches add nothing until training moves them (their gradients are not zero: they see
+    the branch inputs). The trained layers, ``fc``, the norms and the draft vocabulary are kept."""
+    have = drafter.cfg.num_hidden_layers
+    if layers < have:
+        raise ValueError(f"--layers {layers}: the --init drafter already has {have} layers (a drafter is only grown)")
+    if layers == have:
+        return drafter
+    grown = DFlashDrafter(replace(drafter.cfg, num_hidden_layers=layers))
+    grown.set_draft_vocab(drafter.draft_vocab.cpu() if drafter.draft_vocab is not None else None)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith(tuple(f"layers.{i}." for i in range(have, layers))) for k in missing)
+    src = target.model.get_decoder().layers[-(layers - have):]
+    with torch.no_grad():
+        for mine, theirs in zip(grown.layers[have:], src):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(mine.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj"):
+                getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
+            mine.self_attn.o_proj.weight.zero_()
+            mine.mlp.down_proj.weight.zero_()
+            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+    return grown.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+
+
 def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: set[int] = frozenset()) -> torch.Tensor:
     """The ``size`` target ids a drafter may propose: ``always`` (e.g. stop tokens), then the most frequent
     tokens of the training sequences (responses counted twice: they are what gets drafted), then the
@@ -437,7 +467,7 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
 
 
 def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
-        layers: int, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
+        layers: int | None, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
         init: Path | None = None, draft_vocab: int | None = None, live: bool = False,
         blocks: list[int] | None = None) -> None:
@@ -445,6 +475,9 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
+
+    ``layers``: a new drafter's layer count (default 2); with ``init``, the count to grow the loaded
+    drafter to (:func:`grow_drafter`; default: its own).
 
     ``blocks``: block lengths B' ≤ B, one drawn per step (uniformly from the list; repeat a length to
     weight it). The engine drafts blocks of depth + 1 tokens (engine.DraftDepth: mostly 9 of the 16),
@@ -480,8 +513,9 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         if drafter.cfg.target_layer_ids != meta["layer_ids"]:
             raise ValueError(f"--init drafter uses target layers {drafter.cfg.target_layer_ids}, "
                              f"the data has {meta['layer_ids']}")
+        drafter = grow_drafter(drafter, target, layers or drafter.cfg.num_hidden_layers)
     else:
-        drafter = new_drafter(target, layers, meta["layer_ids"], block, mask_token_id)
+        drafter = new_drafter(target, layers or 2, meta["layer_ids"], block, mask_token_id)
     blocks = list(blocks or [drafter.block_size])
     bad = [b for b in blocks if not 2 <= b <= drafter.block_size]
     if bad:
@@ -505,6 +539,10 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     step, log, rng = 0, [], random.Random(seed)
     if state_path.exists():
         st = torch.load(state_path, map_location="cpu", weights_only=False)
+        saved = len({k.split(".")[1] for k in st["drafter"] if k.startswith("layers.")})
+        if saved != drafter.cfg.num_hidden_layers:
+            raise ValueError(f"{state_path} holds a {saved}-layer drafter, this run builds "
+                             f"{drafter.cfg.num_hidden_layers}: resume with the --layers it was started with")
         drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
         drafter.load_state_dict(st["drafter"])
         opt.load_state_dict(st["opt"])
@@ -575,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--rows", type=int, default=8)
     f.add_argument("--anchors", type=int, default=8)
     f.add_argument("--lr", type=float, default=6e-4)
-    f.add_argument("--layers", type=int, default=2)
+    f.add_argument("--layers", type=int, default=None,
+                   help="drafter layers (default 2); with --init, grow the loaded drafter to this many")
     f.add_argument("--block", type=int, default=16)
     f.add_argument("--blocks", default=None,
                    help="comma-separated block lengths, one drawn per step (e.g. 9,9,10,12,16: what the engine "
@@ -614,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
         if min(blocks) < 2 or (a.init is None and max(blocks) > a.block):
             ap.error(f"--blocks {a.blocks!r}: block lengths must lie in [2, --block = {a.block}]")
+    if a.cmd == "fit" and a.layers is not None and a.layers < 1:
+        ap.error(f"--layers {a.layers}: give a positive layer count")
     if a.cmd == "plot":
         log, starts = read_logs(a.ckpt)
         plot_log(log, a.out, starts=starts)

@@ -125,6 +125,38 @@ def test_short_training_run_lowers_loss(draft_vocab):
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:5]) / 5, losses[:5] + losses[-10:]
 
 
+def test_grow_drafter_adds_layers_that_change_nothing_until_trained():
+    """fit --init D --layers N: the grown drafter computes exactly what D computed (the new layers'
+    o_proj and down_proj start at zero), keeps D's weights and draft vocabulary, and its new layers
+    receive gradients; it is never shrunk."""
+    from bastion.train import grow_drafter
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = new_drafter(target, layers=1, layer_ids=[1, 2], block_size=4, mask_token_id=49)
+    torch.manual_seed(0)
+    with torch.no_grad():  # not the target's layers any more: a trained drafter
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    d.set_draft_vocab(torch.arange(0, target.vocab_size, 3))
+    g = grow_drafter(d, target, 3)
+    assert g.cfg.num_hidden_layers == 3 and d.cfg.num_hidden_layers == 1 and len(g.layers) == 3
+    assert torch.equal(g.draft_vocab, d.draft_vocab)
+    for k, v in d.state_dict().items():
+        assert torch.equal(g.state_dict()[k], v), k
+    feats, ctx_pos = torch.randn(1, 5, 2 * target.hidden_size), torch.arange(5)[None]
+    block, pos = torch.randn(1, 4, target.hidden_size), torch.arange(5, 9)[None]
+    want = d.blocks(block, pos, d.context_kv(feats, ctx_pos))
+    got = g.blocks(block, pos, g.context_kv(feats, ctx_pos))
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    for layer in g.layers[1:]:
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0
+        assert layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    assert grow_drafter(d, target, 1) is d
+    with pytest.raises(ValueError, match="already has 3 layers"):
+        grow_drafter(g, target, 2)
+
+
 # --------------------------------------------------------------------------- draft vocabulary
 def test_draft_vocabulary_round_trip_and_lossless(tmp_path):
     """A drafter restricted to a subset of the vocabulary saves and loads exactly, proposes only ids
