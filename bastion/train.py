@@ -315,6 +315,8 @@ def grow_drafter(drafter: DFlashDrafter, target: Target, layers: int) -> DFlashD
         raise ValueError(f"--layers {layers}: the --init drafter already has {have} layers (a drafter is only grown)")
     if layers == have:
         return drafter
+    if layers - have > target.num_layers:
+        raise ValueError(f"--layers {layers}: {layers - have} new layers, the target has only {target.num_layers} to start them from")
     grown = DFlashDrafter(replace(drafter.cfg, num_hidden_layers=layers))
     grown.set_draft_vocab(drafter.draft_vocab.cpu() if drafter.draft_vocab is not None else None)
     missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)

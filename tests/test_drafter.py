@@ -155,6 +155,8 @@ def test_grow_drafter_adds_layers_that_change_nothing_until_trained():
     assert grow_drafter(d, target, 1) is d
     with pytest.raises(ValueError, match="already has 3 layers"):
         grow_drafter(g, target, 2)
+    with pytest.raises(ValueError, match="to start them from"):
+        grow_drafter(d, target, 2 + target.num_layers)
 
 
 # --------------------------------------------------------------------------- draft vocabulary
