@@ -291,17 +291,22 @@ def new_drafter(target: Target, layers: int, layer_ids: list[int], block_size: i
                         rope_theta=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
                         max_position_embeddings=c.max_position_embeddings)
     drafter = DFlashDrafter(cfg)
-    src = target.model.get_decoder().layers[-layers:]
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, src):
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(mine.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
-            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        for mine, theirs in zip(drafter.layers, target.model.get_decoder().layers[-layers:]):
+            _copy_layer(mine, theirs)
         drafter.norm.weight.copy_(target.model.get_decoder().norm.weight)
     return drafter
+
+
+@torch.no_grad()
+def _copy_layer(mine: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """A drafter layer's attention and MLP projections and norms from a target layer of the same shapes."""
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(mine.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
+    mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+    mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
 
 
 def grow_drafter(drafter: DFlashDrafter, target: Target, layers: int) -> DFlashDrafter:
@@ -321,17 +326,11 @@ def grow_drafter(drafter: DFlashDrafter, target: Target, layers: int) -> DFlashD
     grown.set_draft_vocab(drafter.draft_vocab.cpu() if drafter.draft_vocab is not None else None)
     missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all(k.startswith(tuple(f"layers.{i}." for i in range(have, layers))) for k in missing)
-    src = target.model.get_decoder().layers[-(layers - have):]
     with torch.no_grad():
-        for mine, theirs in zip(grown.layers[have:], src):
-            for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(mine.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
-            for name in ("gate_proj", "up_proj"):
-                getattr(mine.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
-            mine.self_attn.o_proj.weight.zero_()
+        for mine, theirs in zip(grown.layers[have:], target.model.get_decoder().layers[-(layers - have):]):
+            _copy_layer(mine, theirs)
+            mine.self_attn.o_proj.weight.zero_()  # both residual branches start at zero
             mine.mlp.down_proj.weight.zero_()
-            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
     return grown.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
 
 
