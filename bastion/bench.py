@@ -39,7 +39,7 @@ from tqdm import tqdm
 from transformers.generation import BaseStreamer
 
 from .engine import Engine, GenerationConfig
-from .kernels.cpu_linear import SkinnyLinear, use_skinny_linear
+from .kernels.cpu_linear import MODES, SkinnyLinear, use_skinny_linear
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
 ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
@@ -240,6 +240,8 @@ def _linear_mode(model: torch.nn.Module) -> str:
     if not layers:
         return "stock: F.linear"
     if any(m.native for m in layers) and cpu_native.available():
+        if any(m.low_precision for m in layers) and cpu_native.bf16_available():
+            return "native-bf16: packed few-row kernel, bf16 products (kernels.cpu_native)"
         return "native: packed few-row kernel (kernels.cpu_native)"
     why = cpu_native.unavailable_reason()
     return "fast: kernels.cpu_linear for few-row CPU fp32 products" + (f" (native unavailable: {why})" if why else "")
@@ -286,6 +288,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
     machine["linear"] = _linear_mode(engine.target.model)
+    if engine.drafter is not None and isinstance(engine.drafter, torch.nn.Module):
+        machine["drafter_linear"] = _linear_mode(engine.drafter)
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
@@ -324,6 +328,9 @@ def add_parser(sub) -> None:
                    help="few-row CPU products for every strategy, the HF baselines included: native = the packed "
                         "kernel of kernels.cpu_native (torch's routines where it cannot be built); fast = "
                         "torch's few-row routines (kernels.cpu_linear); stock = F.linear everywhere (ablations)")
+    b.add_argument("--drafter-linear", choices=MODES, default=None,
+                   help="the drafter's products (default: native-bf16 with --linear native — the packed kernel "
+                        "in bf16 where the CPU has AVX512-BF16, a draft being only a proposal — else --linear's)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -390,11 +397,19 @@ def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load: {exc}") from None
     if drafter is not None:
-        use_skinny_linear(drafter, a.linear)
+        use_skinny_linear(drafter, drafter_linear(a))
     needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
     if drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
     return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
+
+
+def drafter_linear(a) -> str:
+    """The drafter's linear mode: ``--drafter-linear``, else bf16 on the packed kernel with ``--linear
+    native`` and ``--linear``'s own mode otherwise (ablations keep the drafter alike)."""
+    if getattr(a, "drafter_linear", None):
+        return a.drafter_linear
+    return "native-bf16" if a.linear == "native" else a.linear
 
 
 def _command(a, out_dir: Path) -> str:
@@ -402,7 +417,7 @@ def _command(a, out_dir: Path) -> str:
     argv = ["python", "-m", "bastion", "bench", "--prompts", str(a.prompts), "--strategies", a.strategies,
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--seed", str(a.seed),
             "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels,
-            "--linear", a.linear]
+            "--linear", a.linear, "--drafter-linear", drafter_linear(a)]
     for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
                         ("--device", a.device)):
         if value is not None:

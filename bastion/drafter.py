@@ -249,7 +249,9 @@ class DFlashDrafter(nn.Module):
         # correctness (verification always uses the target's full distribution).
         self.register_buffer("draft_vocab", None if not cfg.draft_vocab_size else
                              torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        use_skinny_linear(self, "native")  # a draft is a 16-row product per matrix: kernels.cpu_linear
+        # a draft is a 9–16-row product per matrix (kernels.cpu_linear), and only a proposal: bf16
+        # products where the CPU has them (half the bytes, twice the multiply-adds per instruction)
+        use_skinny_linear(self, "native-bf16")
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""
@@ -264,6 +266,12 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether inference products run in bf16 (mode ``native-bf16`` of :func:`use_skinny_linear`);
+        the LM head's draft-vocabulary slice then does too."""
+        return bool(getattr(self.fc, "native", False) and getattr(self.fc, "low_precision", False))
 
     def _cos_sin(self, x: torch.Tensor, pos: torch.Tensor):
         cos, sin = self.rotary(x, pos)
@@ -321,7 +329,8 @@ class DFlashDrafter(nn.Module):
         with :meth:`DrafterCache.defer` are encoded in this same forward. With a draft
         vocabulary — ``vocab`` if given (the engine widens the drafter's own with a request's tokens),
         else ``draft_vocab`` — the columns are its V_d tokens (``vocab[j]`` is column j's target id)
-        and ``lm_head(hidden, rows)`` must return logits of those rows only.
+        and ``lm_head(hidden, rows)`` must return logits of those rows only (called as
+        ``lm_head(hidden, rows, low_precision=True)`` when :attr:`low_precision` is on).
         """
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         if depth is not None and not 1 <= depth < self.block_size:
@@ -349,7 +358,12 @@ class DFlashDrafter(nn.Module):
         cache.keys, cache.values = keys, values
         hidden = self.norm(x)[0, 1:].to(emb.dtype)
         rows = vocab if vocab is not None else self.draft_vocab
-        logits = lm_head(hidden) if rows is None else lm_head(hidden, rows)
+        if rows is None:
+            logits = lm_head(hidden)
+        elif self.low_precision:
+            logits = lm_head(hidden, rows, low_precision=True)
+        else:
+            logits = lm_head(hidden, rows)
         return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -90,7 +90,8 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
         h = h.view(len(A), B, -1)[:, 1:].reshape(len(A) * (B - 1), -1)
         vocab = drafter.draft_vocab
         h = h.to(target.dtype)
-        logits = target.lm_head(h, vocab) if vocab is not None else target.lm_head(h)
+        # the head as a decoding round multiplies it (drafter.draft): same rows, same precision
+        logits = target.lm_head(h, vocab, drafter.low_precision) if vocab is not None else target.lm_head(h)
         pred = logits.argmax(-1)
         if vocab is not None:
             pred = vocab[pred]

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from .kernels import cpu_native
 from .kernels.cpu_attention import use_grouped_attention
-from .kernels.cpu_linear import prepack, skinny_linear, use_skinny_linear
+from .kernels.cpu_linear import pack_for, prepack, skinny_linear, use_skinny_linear
 
 
 @dataclass
@@ -84,17 +84,19 @@ class Target:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)
 
-    def lm_head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def lm_head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+                low_precision: bool = False) -> torch.Tensor:
         """Logits [..., V] of hidden [..., h]; with ``rows`` [V_d] only those vocabulary rows [..., V_d].
 
         The row slice of the head is cached (per rows tensor), so a drafter with a draft vocabulary
-        reads V_d·h weights per call instead of V·h.
+        reads V_d·h weights per call instead of V·h. ``low_precision`` (a drafter's, with ``rows``):
+        the slice is multiplied in bf16 where the native kernel can (``kernels.cpu_linear``).
         """
         head = self.model.get_output_embeddings()
         if rows is None:
             return head(hidden)
         # inference-mode tensors cannot be saved for backward: keep one slice per mode
-        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled())
+        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled(), low_precision)
         if self._head_rows is None or self._head_rows[0] != key:
             with torch.no_grad():
                 w = head.weight.index_select(0, rows.to(head.weight.device))
@@ -102,7 +104,7 @@ class Target:
             # the head's linear mode decides whether the slice gets native panels too
             native = getattr(head, "native", False) and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_native.available()
-            self._head_rows = (key, w, b, cpu_native.pack(w) if native else None)
+            self._head_rows = (key, w, b, pack_for(w, low_precision) if native else None)
         _, w, b, panels = self._head_rows
         return skinny_linear(hidden, w, b, panels)
 

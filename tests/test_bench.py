@@ -45,6 +45,10 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
     want = "native" if cpu_native.available() else "fast"
     assert res["machine"]["linear"].startswith(want) and "--linear native" in res["command"]
+    # the drafter multiplies in bf16 where the CPU can (a draft is only a proposal), and says so
+    assert "--drafter-linear native-bf16" in res["command"]
+    low = cpu_native.available() and cpu_native.bf16_available()
+    assert res["machine"]["drafter_linear"].startswith("native-bf16" if low else want)
     padding = res["machine"]["row_padding"]  # measured in the first drafting warm-up
     assert len(padding["padded"]) == len(padding["seconds"]) > 1
     assert all(m >= n for n, m in enumerate(padding["padded"], 1))
@@ -129,3 +133,11 @@ def test_nopad_variants_turn_row_padding_off():
     assert [(s.lookup, s.datastore) for s in list(sources.values())[1:]] == [(True, True), (True, False), (False, False),
                                                                            (False, True)]
     assert not sources["bastion:drafter"].config(8, 0.0, 0).datastore
+
+
+def test_drafter_linear_follows_linear_unless_given():
+    assert bench.drafter_linear(bench_args()) == "native-bf16"
+    assert bench.drafter_linear(bench_args("--linear", "stock")) == "stock"
+    assert bench.drafter_linear(bench_args("--linear", "fast", "--drafter-linear", "native")) == "native"
+    with pytest.raises(SystemExit):
+        bench_args("--drafter-linear", "turbo")

@@ -142,3 +142,79 @@ def test_prepack_falls_back_when_the_panels_would_not_fit(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert "_panels" not in lin.__dict__  # the fallback never packs later either
+
+
+# ----------------------------------------------------------------- bf16 (drafters)
+needs_bf16 = pytest.mark.skipif("not cpu_native.bf16_available()", reason="CPU without AVX512-BF16")
+
+
+def test_bf16_is_reported_from_the_cpu_flags():
+    # where the CPU has the instruction the kernel must use it: a silent float32 fallback would hide
+    # a broken build
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    assert cpu_native.bf16_available() == (" avx512_bf16" in flags)
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(16, 8), (37, 30), (192, 576), (1000, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 9, 12, 13, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_product_is_the_rounded_product(n, k, rows, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    got = cpu_native.linear_bf16(x, cpu_native.pack_bf16(w), n, b)
+    # exactly bf16-rounded inputs and weights, summed in high precision
+    want = F.linear(x.bfloat16().double(), w.bfloat16().double(), None if b is None else b.double()).float()
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    # and within bf16's rounding of the float32 product
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1.6e-2, atol=3e-2 * k ** 0.5)
+
+
+@needs_bf16
+def test_bf16_rows_do_not_depend_on_their_neighbours():
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(200, 576, generator=g), torch.randn(40, 576, generator=g)
+    panels = cpu_native.pack_bf16(w)
+    alone = torch.cat([cpu_native.linear_bf16(x[i:i + 1], panels, 200) for i in range(40)])
+    for rows in (2, 9, 13, 40):
+        assert torch.equal(cpu_native.linear_bf16(x[:rows], panels, 200), alone[:rows]), rows
+
+
+def test_bf16_pack_layout_and_refusals():
+    w = torch.arange(4 * 20, dtype=torch.float32).reshape(20, 4)  # small integers: exact in bf16
+    p = cpu_native.pack_bf16(w)
+    assert p.dtype == torch.bfloat16 and p.shape == (2, 2, 16, 2)
+    assert torch.equal(p[0, 1, 3].float(), w[3, 2:4])  # panel 0, input pair 1, output 3
+    assert torch.equal(p[1, 0, :4].float(), w[16:, 0:2]) and not p[1, :, 4:].float().any()
+    with pytest.raises(ValueError, match="even number of columns"):
+        cpu_native.pack_bf16(torch.randn(4, 3))
+    if cpu_native.bf16_available():
+        with pytest.raises(ValueError, match="do not hold"):
+            cpu_native.linear_bf16(torch.randn(2, 6), p, 20)
+
+
+@needs_bf16
+def test_bf16_mode_packs_bf16_and_switches_back():
+    lin = nn.Linear(24, 40)
+    assert use_skinny_linear(lin, "native-bf16") == 1 and lin.native and lin.low_precision
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        low = lin(x)
+        assert lin.panels().dtype == torch.bfloat16
+        torch.testing.assert_close(low, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0.1)
+        assert use_skinny_linear(lin, "native") == 1 and not lin.low_precision
+        assert lin.panels().dtype == torch.float32  # repacked: the cache key holds the precision
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert use_skinny_linear(lin, "stock") == 1 and not hasattr(lin, "low_precision")
+
+
+@needs_bf16
+def test_bf16_mode_keeps_float32_for_an_odd_number_of_inputs():
+    lin = nn.Linear(7, 5)
+    use_skinny_linear(lin, "native-bf16")
+    x = torch.randn(2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert lin.panels().dtype == torch.float32

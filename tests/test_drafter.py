@@ -310,3 +310,29 @@ def test_cache_crop_covers_pending():
     assert cache.encoded == 2 and cache.length == 2 and cache.pending == []
     assert torch.allclose(d.draft(cache, 1, target.embed, target.lm_head),
                           _reference_draft(d, target, feats[:2], 1), atol=1e-5)
+
+
+def test_drafts_run_in_bf16_where_the_cpu_can_and_stay_close_to_float32():
+    """A drafter multiplies in bf16 (kernels.cpu_linear mode native-bf16) where the CPU has AVX512-BF16,
+    the draft vocabulary's head slice included; its log q stays within bf16 rounding of float32's."""
+    from bastion.kernels import cpu_native
+    from bastion.kernels.cpu_linear import use_skinny_linear
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target, layers=2)
+    d.set_draft_vocab(torch.arange(0, target.vocab_size, 2))
+    assert d.low_precision  # the default mode of a drafter
+    feats = torch.randn(6, 2 * target.hidden_size)
+    runs = {}
+    for mode in ("native-bf16", "native"):
+        use_skinny_linear(d, mode)
+        cache = d.new_cache()
+        d.extend_cache(cache, feats)
+        runs[mode] = d.draft(cache, 3, target.embed, target.lm_head)
+        head_panels = target._head_rows[3]
+        if cpu_native.available():
+            want = torch.bfloat16 if mode == "native-bf16" and cpu_native.bf16_available() else torch.float32
+            assert head_panels.dtype == want and d.fc.panels().dtype == want
+    assert not d.low_precision
+    torch.testing.assert_close(runs["native-bf16"], runs["native"], rtol=0, atol=5e-2)
+    assert torch.equal(runs["native-bf16"].argmax(-1), runs["native"].argmax(-1))

@@ -38,7 +38,9 @@ from torch import nn
 
 from . import cpu_native
 
-MODES = ("native", "fast", "stock")  # packed native kernel · torch's few-row routines · plain F.linear
+# packed native kernel · the same with bf16 weights and inputs (drafters only) · torch's few-row
+# routines · plain F.linear
+MODES = ("native", "native-bf16", "fast", "stock")
 MAX_ROWS = 64  # above this MKL's gemm is as fast (prefill, training batches)
 GEMM_ROWS = 4  # up to this many rows (W xᵀ)ᵀ beats oneDNN
 
@@ -68,8 +70,18 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _native(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``)."""
-    return cpu_native.linear(x.reshape(-1, x.shape[-1]), panels, n, bias).reshape(*x.shape[:-1], n)
+    """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``);
+    bf16 panels (:func:`cpu_native.pack_bf16`) run the low-precision kernel."""
+    mul = cpu_native.linear_bf16 if panels.dtype == torch.bfloat16 else cpu_native.linear
+    return mul(x.reshape(-1, x.shape[-1]), panels, n, bias).reshape(*x.shape[:-1], n)
+
+
+def pack_for(weight: torch.Tensor, low_precision: bool) -> torch.Tensor:
+    """The panels the native kernel reads for `weight`: bf16 ones when `low_precision` is asked and
+    runs here (AVX512-BF16, an even number of inputs), float32 ones otherwise."""
+    if low_precision and weight.shape[1] % 2 == 0 and cpu_native.bf16_available():
+        return cpu_native.pack_bf16(weight)
+    return cpu_native.pack(weight)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -103,17 +115,21 @@ class SkinnyLinear(nn.Linear):
 
     With ``native`` (set by :func:`use_skinny_linear`) and the native kernel built, few-row CPU
     float32 products read a panel copy of the weight, made on first use and remade whenever the
-    weight changes (its storage or its in-place version counter)."""
+    weight changes (its storage or its in-place version counter). With ``low_precision`` too (mode
+    ``native-bf16``) the copy is in bf16 and the inputs are rounded to bf16 (float32 sums): half the
+    bytes and twice the multiply-adds per instruction, for a drafter, whose outputs are proposals."""
 
     native = False
+    low_precision = False
 
     def panels(self) -> torch.Tensor:
-        """``cpu_native.pack(self.weight)``, cached on the module (not a buffer: never saved or moved)."""
+        """``pack_for(self.weight, self.low_precision)``, cached on the module (not a buffer: never
+        saved or moved)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        key = (w.data_ptr(), w._version, tuple(w.shape), self.low_precision)
         got = self.__dict__.get("_panels")
         if got is None or got[0] != key:
-            got = (key, cpu_native.pack(w))
+            got = (key, pack_for(w, self.low_precision))
             self.__dict__["_panels"] = got
         return got[1]
 
@@ -128,7 +144,8 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     """Set how every linear layer inside `module` multiplies, in place; returns the number changed.
 
     `on`: a mode of :data:`MODES` — ``"native"`` (:class:`SkinnyLinear` on the packed native kernel,
-    torch's routines where it cannot be built), ``"fast"`` (:class:`SkinnyLinear` on torch's few-row
+    torch's routines where it cannot be built), ``"native-bf16"`` (the same on bf16 panels where the
+    CPU has AVX512-BF16, float32 ones elsewhere: drafters only), ``"fast"`` (:class:`SkinnyLinear` on torch's few-row
     routines), ``"stock"`` (plain ``nn.Linear``) — or True / False for ``"fast"`` / ``"stock"``.
     Only the class changes (parameters, tied weights, hooks and state-dict keys stay), and the choice
     of routine is made per call, so it is safe on any device and dtype."""
@@ -139,17 +156,18 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     for m in module.modules():
         if type(m) not in (nn.Linear, SkinnyLinear):
             continue
-        before = (type(m), getattr(m, "native", None))
+        before = (type(m), getattr(m, "native", None), getattr(m, "low_precision", None))
         if mode == "stock":
             m.__class__ = nn.Linear
-            m.__dict__.pop("_panels", None)
-            m.__dict__.pop("native", None)
+            for attr in ("_panels", "native", "low_precision"):
+                m.__dict__.pop(attr, None)
         else:
             m.__class__ = SkinnyLinear
-            m.native = mode == "native"
+            m.native = mode in ("native", "native-bf16")
+            m.low_precision = mode == "native-bf16"
             if not m.native:
                 m.__dict__.pop("_panels", None)
-        n += before != (type(m), getattr(m, "native", None))
+        n += before != (type(m), getattr(m, "native", None), getattr(m, "low_precision", None))
     return n
 
 
@@ -168,7 +186,7 @@ def prepack(module: nn.Module, memory_fraction: float = 0.5) -> int:
     layers = _native_layers(module)
     if not layers or not cpu_native.available():  # a GPU model never builds the CPU kernel
         return 0
-    need = sum(m.weight.numel() * 4 for m in layers)
+    need = sum(m.weight.numel() * (2 if m.low_precision else 4) for m in layers)
     try:
         import psutil
 

@@ -109,6 +109,9 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_gemm_f32.argtypes = [V, I64, V, I64, I64, V, V, I]
     lib.bastion_gemm_f32.restype = None
     lib.bastion_gemm_panel.restype = I
+    lib.bastion_gemm_bf16.argtypes = [V, I64, V, I64, I64, V, V, I]
+    lib.bastion_gemm_bf16.restype = None
+    lib.bastion_gemm_bf16_available.restype = I
     _lib = lib
     if lib.bastion_gemm_panel() != 16:
         _lib, _why = None, "the compiled kernel's panel width is not 16"
@@ -125,6 +128,29 @@ def _self_test() -> bool:
     x = torch.randn(5, 29, generator=g)
     got = linear(x, pack(w), 37, b)
     return bool(torch.allclose(got, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4))
+
+
+def _bf16_self_test(lib: ctypes.CDLL) -> bool:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(37, 30, generator=g)
+    x = torch.randn(5, 30, generator=g)
+    want = x.bfloat16().float() @ w.bfloat16().float().t()
+    got = torch.empty(5, 37)
+    panels, xb = pack_bf16(w), x.bfloat16().contiguous()  # held: ctypes gets bare pointers
+    lib.bastion_gemm_bf16(xb.data_ptr(), 5, panels.data_ptr(), 37, 15, None, got.data_ptr(), 1)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+_bf16: bool | None = None
+
+
+def bf16_available() -> bool:
+    """Whether :func:`linear_bf16` runs here: the kernel is built and the CPU has AVX512-BF16."""
+    global _bf16
+    if _bf16 is None:
+        lib = library()
+        _bf16 = bool(lib is not None and lib.bastion_gemm_bf16_available() and _bf16_self_test(lib))
+    return _bf16
 
 
 def available() -> bool:
@@ -166,4 +192,38 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     y = torch.empty(r, n, dtype=torch.float32)
     lib.bastion_gemm_f32(x.data_ptr(), r, panels.data_ptr(), n, k,
                          None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K even) → bf16 panels [ceil(N/16), K/2, 16, 2], rounded to nearest even: the layout
+    :func:`linear_bf16` reads (for each pair of inputs, 16 outputs' two weights side by side)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % 2:
+        raise ValueError(f"pack_bf16 wants a 2-D CPU weight with an even number of columns, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    pad = (-n) % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` with x and W rounded to bf16 and float32 sums, x [R, K] → [R, n] float32.
+
+    For drafters only: the result differs from the float32 product by ~3e-3 relative (bf16's 8-bit
+    mantissa), which changes proposals at most, never what verification accepts."""
+    lib = library()
+    if lib is None or not bf16_available():
+        raise RuntimeError(f"bf16 native kernel unavailable: {_why or 'the CPU lacks AVX512-BF16'}")
+    r, k = x.shape
+    if panels.dtype != torch.bfloat16 or panels.shape[1] * 2 != k or panels.shape[0] * 16 < n:
+        raise ValueError(f"bf16 panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+    xb = x.to(torch.bfloat16).contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(r, n, dtype=torch.float32)
+    lib.bastion_gemm_bf16(xb.data_ptr(), r, panels.data_ptr(), n, k // 2,
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
