@@ -36,11 +36,15 @@ class Target:
         ``native`` (the packed kernel, built on first use; the panels are made here, at load),
         ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training.
         SDPA attention of a few masked queries regroups grouped-query heads instead of copying the
-        KV cache (``kernels.cpu_attention``; CPU only, the same attention)."""
+        KV cache, and with ``native`` runs in the native kernel (``kernels.cpu_attention``; CPU only,
+        the same attention)."""
         self.model = model.eval()
         use_skinny_linear(self.model, linear)
         prepack(self.model)
-        use_grouped_attention(self.model)
+        # with the native linear kernel, few-query float32 attention runs natively too (the same
+        # attention, each row on its own); the packed panels may have been refused for memory
+        native = any(getattr(m, "native", False) for m in self.model.modules())
+        use_grouped_attention(self.model, native=native)
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None

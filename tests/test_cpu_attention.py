@@ -1,12 +1,14 @@
-"""kernels.cpu_attention: regrouped grouped-query attention equals transformers' SDPA path."""
+"""kernels.cpu_attention: regrouped grouped-query attention equals transformers' SDPA path; the native
+route takes exactly the few-query float32 calls, and with it a tree verification computes bit-identical
+logits to decoding the same tokens one at a time."""
 
 import pytest
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bastion.kernels import cpu_attention
-from bastion.kernels.cpu_attention import NAME, grouped_sdpa_forward
+from bastion.kernels import cpu_attention, cpu_native, get_kernels
+from bastion.kernels.cpu_attention import NAME, NATIVE_NAME, grouped_sdpa_forward, native_attention_forward
 from tiny import tiny_target
 
 
@@ -64,7 +66,8 @@ def test_other_cases_go_to_transformers(monkeypatch):
 
 def test_target_uses_it_and_logits_are_unchanged():
     a, b = tiny_target(), tiny_target()
-    assert a.model.config._attn_implementation == NAME
+    # float64: the native route (registered with the native linear kernel) hands every call on
+    assert a.model.config._attn_implementation == (NATIVE_NAME if cpu_native.available() else NAME)
     b.model.set_attn_implementation("sdpa")
     ids = torch.arange(3, 20)
     for t in (a, b):
@@ -79,3 +82,58 @@ def test_target_uses_it_and_logits_are_unchanged():
     want = b.forward_tree(toks, mask, pos).logits
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert cpu_attention._mask_cache is not None  # the regrouping ran
+
+
+needs_native = pytest.mark.skipif("not cpu_native.available()", reason="native kernel not built here")
+
+
+@needs_native
+def test_native_route_takes_few_float32_queries_only(monkeypatch):
+    calls = []
+    real = cpu_native.attention_unchecked
+    monkeypatch.setattr(cpu_native, "attention_unchecked", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    module, q, k, v, mask = _inputs(5, dtype=torch.float32)
+    mask = mask.clamp(min=torch.finfo(torch.float32).min)
+    got, _ = native_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0],
+                               rtol=1e-5, atol=1e-6)
+    native_attention_forward(module, q[:, :, :1], k, v, None)  # one query, no mask: every key visible
+    assert calls == [5, 1]
+    native_attention_forward(module, q, k, v, None, is_causal=True)  # prefill
+    native_attention_forward(module, q.double(), k.double(), v.double(), mask.double())
+    native_attention_forward(module, q, k, v, mask.bool())
+    module, q, k, v, mask = _inputs(65, dtype=torch.float32)  # past MAX_QUERIES
+    native_attention_forward(module, q, k, v, mask)
+    assert calls == [5, 1]
+
+
+@needs_native
+def test_target_routes_attention_by_its_linear_mode():
+    from bastion.target import Target
+
+    assert tiny_target(dtype=torch.float32).model.config._attn_implementation == NATIVE_NAME
+    fast = tiny_target(dtype=torch.float32)
+    assert Target(fast.model, linear="fast").model.config._attn_implementation == NAME
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tree_logits_are_bit_identical_to_one_token_at_a_time(family):
+    """Row-invariant products (cpu_native.linear) and attention (cpu_native.attention): the logits of
+    a path inside a tree with siblings between its nodes equal, bit for bit, those of decoding the
+    path's tokens one forward each — greedy verification is exact, not merely close."""
+    t = tiny_target(family, dtype=torch.float32)
+    kernels = get_kernels("torch")
+    ctx, path = torch.arange(5, 45) % 90, [11, 12, 13, 14]
+    t.prefill(ctx)
+    one_by_one = []
+    for tok in path:
+        mask, pos = kernels.tree_mask([-1], t.cache_len, t.dtype, "cpu")
+        one_by_one.append(t.forward_tree(torch.tensor([tok]), mask, pos).logits[0])
+        t.commit(t.cache_len - 1, [0])
+    t.prefill(ctx)
+    parents, tokens = [-1, 0, 0, 2, 2, 4, 4], [path[0], 50, path[1], 51, path[2], 52, path[3]]
+    mask, pos = kernels.tree_mask(parents, t.cache_len, t.dtype, "cpu")
+    tree = t.forward_tree(torch.tensor(tokens), mask, pos).logits
+    for depth, row in enumerate((0, 2, 4, 6)):
+        assert torch.equal(tree[row], one_by_one[depth]), depth

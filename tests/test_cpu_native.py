@@ -218,3 +218,64 @@ def test_bf16_mode_keeps_float32_for_an_odd_number_of_inputs():
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert lin.panels().dtype == torch.float32
+
+
+# ----------------------------------------------------------------- attention
+def _attention_case(n, heads, groups, d, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, heads, d, generator=g).transpose(1, 2)  # the strides transformers hands over
+    k = torch.randn(1, groups, length, d, generator=g)
+    v = torch.randn(1, groups, length, d, generator=g)
+    mask = torch.zeros(1, 1, n, length)
+    # a tree over the last n keys: each query sees the prefix, itself and a random subset of the others;
+    # some visible keys carry an additive bias too
+    hidden = torch.rand(n, n, generator=g) < 0.5
+    hidden &= ~torch.eye(n, dtype=torch.bool)
+    mask[0, 0, :, length - n:] = torch.where(hidden, torch.finfo(torch.float32).min, 0.0)
+    mask[0, 0, :, 0] = -0.75
+    return q, k, v, mask
+
+
+def _attention_reference(q, k, v, mask, scale):
+    per = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(per, 1), v.double().repeat_interleave(per, 1)
+    scores = q.double() @ kk.transpose(2, 3) * scale + (0 if mask is None else mask.double())
+    return (torch.softmax(scores, -1) @ vv).transpose(1, 2).float()
+
+
+@pytest.mark.parametrize("heads,groups", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("d", [64, 128, 16, 12])
+@pytest.mark.parametrize("n,length", [(1, 1), (1, 37), (2, 40), (9, 160), (64, 300)])
+def test_attention_equals_the_softmax_reference(heads, groups, d, n, length):
+    q, k, v, mask = _attention_case(n, heads, groups, d, length)
+    got = cpu_native.attention(q, k, v, mask, d ** -0.5)
+    assert got.shape == (1, n, heads, d) and got.is_contiguous()
+    torch.testing.assert_close(got, _attention_reference(q, k, v, mask, d ** -0.5), rtol=2e-5, atol=2e-6)
+    if n == 1:  # one query without a mask sees every key
+        torch.testing.assert_close(cpu_native.attention(q, k, v, None, 0.3),
+                                   _attention_reference(q, k, v, None, 0.3), rtol=2e-5, atol=2e-6)
+
+
+def test_attention_rows_depend_only_on_their_visible_keys():
+    """What makes a tree node's logits bit-identical to decoding the same tokens one by one: a row's
+    output depends neither on the other rows of the call nor on where its hidden keys sit."""
+    q, k, v, mask = _attention_case(9, 9, 3, 64, 160, seed=3)
+    full = cpu_native.attention(q, k, v, mask, 0.125)
+    for i in range(9):
+        alone = cpu_native.attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.125)
+        assert torch.equal(alone, full[:, i:i + 1]), i
+        keep = mask[0, 0, i] > -1e30  # the same row over only its visible keys, packed together
+        packed = cpu_native.attention(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], mask[:, :, i:i + 1, keep], 0.125)
+        assert torch.equal(packed, alone), i
+
+
+def test_attention_refuses_what_it_cannot_run():
+    q, k, v, mask = _attention_case(3, 4, 2, 16, 20)
+    with pytest.raises(ValueError, match="attention wants"):
+        cpu_native.attention(q, k, v, None, 0.25)  # several queries without a mask would be causal
+    with pytest.raises(ValueError, match="attention wants"):
+        cpu_native.attention(q.double(), k.double(), v.double(), mask.double(), 0.25)
+    with pytest.raises(ValueError, match="attention wants"):
+        cpu_native.attention(q, k, v, mask[..., :-1], 0.25)
+    with pytest.raises(ValueError, match="attention wants"):
+        cpu_native.attention(q[:, :3], k, v, mask, 0.25)  # 3 heads do not share 2 KV heads

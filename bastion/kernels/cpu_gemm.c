@@ -18,7 +18,9 @@
  * vector extensions lower to AVX2/AVX-512 or whatever the machine has. The OpenMP runtime is the
  * one torch already loaded (same soname), so torch's thread count is passed in explicitly.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -180,3 +182,150 @@ void bastion_gemm_bf16(const uint32_t *x, int64_t R, const uint16_t *wp, int64_t
     (void)x; (void)R; (void)wp; (void)N; (void)K2; (void)b; (void)y; (void)nthreads;
 }
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Attention of a few queries (a tree verification, a decoding step) over the KV cache.
+ *
+ *   out[i, h, :] = sum_j softmax_j(scale * q[h, i] . k[g, j] + mask[i, j]) v[g, j],   g = h / (H / G)
+ *
+ * torch's CPU flash attention spends ~50-100 us a call on these shapes (9 query heads x a few rows
+ * over 150-500 keys: ~1 M multiply-adds). Here each (head, query) pair runs on its own: it lists the
+ * keys its mask row leaves visible (entries <= -1e30 hide a key), then computes scores, their maximum,
+ * exp (a vector polynomial, the same for every element), the sum and the weighted sum of values over
+ * that list, in list order. The result depends only on the query and on the sequence of visible
+ * keys and values - not on the other rows of the call, nor on where hidden keys sit - so a node
+ * verified inside a tree and the same token decoded alone get bit-identical outputs.
+ * q [H, n, d] (strides qh, qn), k / v [G, L, d] (strides kg, kl / vg, vl), mask [n, L] (stride mn) or
+ * NULL (every key visible), out [n, H, d] contiguous. Returns -1 when scratch memory runs out.
+ */
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+#define SPLAT8(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
+
+/* one dot product: 8 lanes over d, then a fixed pairwise sum of the lanes */
+static inline float dot_f32(const float *a, const float *b, int64_t d) {
+    v8 acc = (v8){0};
+    int64_t t = 0;
+    for (; t + 8 <= d; t += 8) acc += *(const v8 *)(a + t) * *(const v8 *)(b + t);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; t < d; t++) s += a[t] * b[t];
+    return s;
+}
+
+/* exp(x) for x <= 0 to ~2 ulp: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^k from
+ * the exponent bits; below -87 (exp under float's normal range) the result is 0 */
+static inline v8 exp_v8(v8 x) {
+    const v8 lo = SPLAT8(-87.f);
+    vi8 keep = x >= lo;
+    x = (v8)(((vi8)x & keep) | ((vi8)lo & ~keep));
+    v8 kf = x * 1.44269504088896341f + 12582912.f; /* round to nearest through the 2^23 + 2^22 trick */
+    kf -= 12582912.f;
+    v8 r = x - kf * 0.693145751953125f;
+    r -= kf * 1.428606765330187045e-06f;
+    v8 p = SPLAT8(1.f / 720.f) * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    vi8 e = (__builtin_convertvector(kf, vi8) + 127) << 23;
+    return (v8)((vi8)(p * (v8)e) & keep);
+}
+
+/* o[0 : 8 nv] = sum_t p[t] v[idx[t]] with the accumulators in registers (nv a constant) */
+static inline __attribute__((always_inline)) void
+weigh_values(float *o, const float *p, const int64_t *idx, int64_t c, const float *vb, int64_t vl, int nv) {
+    v8 acc[16];
+    for (int u = 0; u < nv; u++) acc[u] = (v8){0};
+    for (int64_t t = 0; t < c; t++) {
+        const float *vr = vb + idx[t] * vl;
+        float pj = p[t];
+        v8 pv = SPLAT8(pj);
+        for (int u = 0; u < nv; u++) acc[u] += pv * *(const v8 *)(vr + 8 * u);
+    }
+    for (int u = 0; u < nv; u++) memcpy(o + 8 * u, &acc[u], sizeof(v8));
+}
+
+int bastion_attn_f32(const float *q, int64_t qh, int64_t qn, const float *k, int64_t kg, int64_t kl,
+                     const float *v, int64_t vg, int64_t vl, const float *mask, int64_t mn, float *out,
+                     int64_t H, int64_t G, int64_t n, int64_t L, int64_t d, float scale, int nthreads) {
+    int64_t per = H / G, items = H * n, cap = L + 8;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (items * L * d > 65536)
+    {
+        float *s = malloc((size_t)cap * sizeof(float)), *o = malloc((size_t)(d + 8) * sizeof(float));
+        int64_t *idx = malloc((size_t)cap * sizeof(int64_t));
+        int ok = s && o && idx;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ok) continue;
+            int64_t h = it / n, i = it % n, g = h / per, c = 0;
+            const float *qr = q + h * qh + i * qn, *mr = mask ? mask + i * mn : NULL;
+            const float *kb = k + g * kg, *vb = v + g * vg;
+            float *dst = out + (i * H + h) * d;
+            for (int64_t j = 0; j < L; j++)
+                if (!mr || mr[j] > -1e30f) idx[c++] = j;
+            if (c == 0) { /* no visible key: zeros (such a row is never read) */
+                memset(dst, 0, (size_t)d * sizeof(float));
+                continue;
+            }
+            float m = -INFINITY;
+            int64_t t = 0;
+            if (d % 8 == 0) /* four keys at a time: four independent FMA chains */
+                for (; t + 4 <= c; t += 4) {
+                    const float *k0 = kb + idx[t] * kl, *k1 = kb + idx[t + 1] * kl;
+                    const float *k2 = kb + idx[t + 2] * kl, *k3 = kb + idx[t + 3] * kl;
+                    v8 a0 = (v8){0}, a1 = (v8){0}, a2 = (v8){0}, a3 = (v8){0};
+                    for (int64_t u = 0; u < d; u += 8) {
+                        v8 qv = *(const v8 *)(qr + u);
+                        a0 += qv * *(const v8 *)(k0 + u);
+                        a1 += qv * *(const v8 *)(k1 + u);
+                        a2 += qv * *(const v8 *)(k2 + u);
+                        a3 += qv * *(const v8 *)(k3 + u);
+                    }
+                    v8 *acc[4] = {&a0, &a1, &a2, &a3};
+                    for (int e = 0; e < 4; e++) { /* dot_f32's lane order */
+                        v8 a = *acc[e];
+                        float x = (((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))) * scale
+                                  + (mr ? mr[idx[t + e]] : 0.f);
+                        s[t + e] = x;
+                        m = x > m ? x : m;
+                    }
+                }
+            for (; t < c; t++) { /* the same sums, one key at a time */
+                float x = dot_f32(qr, kb + idx[t] * kl, d) * scale + (mr ? mr[idx[t]] : 0.f);
+                s[t] = x;
+                m = x > m ? x : m;
+            }
+            int64_t c8 = (c + 7) / 8 * 8;
+            for (int64_t t = c; t < c8; t++) s[t] = -INFINITY;
+            v8 sum8 = (v8){0}, mv = SPLAT8(m);
+            for (int64_t t = 0; t < c8; t += 8) {
+                v8 e = exp_v8(*(v8 *)(s + t) - mv);
+                *(v8 *)(s + t) = e;
+                sum8 += e;
+            }
+            float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+            if (d == 64)
+                weigh_values(o, s, idx, c, vb, vl, 8);
+            else if (d == 128)
+                weigh_values(o, s, idx, c, vb, vl, 16);
+            else {
+                for (int64_t u = 0; u < d; u++) o[u] = 0.f;
+                for (int64_t t2 = 0; t2 < c; t2++) {
+                    const float *vr = vb + idx[t2] * vl;
+                    for (int64_t u = 0; u < d; u++) o[u] += s[t2] * vr[u];
+                }
+            }
+            float inv = 1.f / sum;
+            for (int64_t u = 0; u < d; u++) dst[u] = o[u] * inv;
+        }
+        free(s);
+        free(o);
+        free(idx);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,4 +1,9 @@
-"""Native few-row CPU products: ``cpu_gemm.c`` compiled on first use, called through ctypes.
+"""Native few-row CPU kernels: ``cpu_gemm.c`` compiled on first use, called through ctypes.
+
+Three kernels: float32 products over packed weights (:func:`linear`, the target's and the default),
+bf16 products for drafters (:func:`linear_bf16`, where the CPU has AVX512-BF16) and the attention of
+a few queries over the KV cache (:func:`attention`). The first and the last compute each row on its
+own, so a tree verification and plain decoding get bit-identical logits (tests/test_cpu_attention.py).
 
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
@@ -38,7 +43,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -79,7 +84,8 @@ def _build(cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([cc, *FLAGS[:-1], str(SOURCE), "-o", tmp, FLAGS[-1]], capture_output=True, text=True,
+                             timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
         os.replace(tmp, lib)
@@ -112,6 +118,9 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_gemm_bf16.argtypes = [V, I64, V, I64, I64, V, V, I]
     lib.bastion_gemm_bf16.restype = None
     lib.bastion_gemm_bf16_available.restype = I
+    lib.bastion_attn_f32.argtypes = [V, I64, I64, V, I64, I64, V, I64, I64, V, I64, V, I64, I64, I64, I64, I64,
+                                     ctypes.c_float, I]
+    lib.bastion_attn_f32.restype = I
     _lib = lib
     if lib.bastion_gemm_panel() != 16:
         _lib, _why = None, "the compiled kernel's panel width is not 16"
@@ -127,7 +136,15 @@ def _self_test() -> bool:
     b = torch.randn(37, generator=g)
     x = torch.randn(5, 29, generator=g)
     got = linear(x, pack(w), 37, b)
-    return bool(torch.allclose(got, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4))
+    if not torch.allclose(got, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4):
+        return False
+    # attention: 4 heads on 2 KV heads, 3 queries, the last key hidden from the first query
+    q, k, v = torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    mask = torch.zeros(1, 1, 3, 5)
+    mask[0, 0, 0, 4] = torch.finfo(torch.float32).min
+    want = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(2, 3) * 0.25 + mask, -1) @ v.repeat_interleave(2, 1)
+    got = attention_unchecked(q, k, v, mask, 0.25)
+    return bool(torch.allclose(got, want.transpose(1, 2), rtol=1e-4, atol=1e-5))
 
 
 def _bf16_self_test(lib: ctypes.CDLL) -> bool:
@@ -227,3 +244,52 @@ def linear_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     lib.bastion_gemm_bf16(xb.data_ptr(), r, panels.data_ptr(), n, k // 2,
                           None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """Attention of a few queries over the cache, each (head, query) pair on its own (cpu_gemm.c).
+
+    query [1, H, n, d], key / value [1, G, L, d] (G divides H: grouped-query heads read KV head
+    h // (H / G)), mask [1, 1, n, L] additive float32 (entries ≤ −1e30 hide a key) or None (n = 1, every
+    key visible) → [1, n, H, d] float32 (the layout transformers' attention functions return). A
+    row's output depends only on its query and on the sequence of keys and values its mask row leaves
+    visible: not on the other rows of the call, nor on where the hidden keys sit."""
+    b, heads, n, d = query.shape
+    tensors = (query, key, value) + (() if mask is None else (mask,))
+    if (b != 1 or key.shape != value.shape or key.shape[0] != 1 or key.shape[3] != d or heads % key.shape[1]
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or (mask is None and n != 1)
+            or (mask is not None and (mask.dim() != 4 or tuple(mask.shape[:3]) != (1, 1, n)
+                                      or mask.shape[3] != key.shape[2]))):
+        raise ValueError(f"attention wants CPU float32 query [1, H, n, d], key/value [1, G, L, d] and mask "
+                         f"[1, 1, n, L] or None for one query; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}, {None if mask is None else tuple(mask.shape)}")
+    if library() is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    return attention_unchecked(query, key, value, mask, scale)
+
+
+def attention_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """:func:`attention` for callers that checked its conditions (the per-layer hot path: ~30 calls a
+    forward, where the checks cost a third of a small call)."""
+    # the kernel reads rows of d contiguous floats; any other strides are passed through
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if key.stride(3) != 1:
+        key = key.contiguous()
+    if value.stride(3) != 1:
+        value = value.contiguous()
+    if mask is not None and mask.stride(3) != 1:
+        mask = mask.contiguous()
+    _, heads, n, d = query.shape
+    qs, ks, vs = query.stride(), key.stride(), value.stride()
+    out = torch.empty(1, n, heads, d, dtype=torch.float32)
+    rc = _lib.bastion_attn_f32(query.data_ptr(), qs[1], qs[2], key.data_ptr(), ks[1], ks[2], value.data_ptr(),
+                               vs[1], vs[2], None if mask is None else mask.data_ptr(),
+                               0 if mask is None else mask.stride(2), out.data_ptr(), heads, key.shape[1], n,
+                               key.shape[2], d, scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("native attention: no memory for its scratch rows")
+    return out
