@@ -251,19 +251,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     """Attention of a few queries over the cache, each (head, query) pair on its own (cpu_gemm.c).
 
     query [1, H, n, d], key / value [1, G, L, d] (G divides H: grouped-query heads read KV head
-    h // (H / G)), mask [1, 1, n, L] additive float32 (entries ≤ −1e30 hide a key) or None (n = 1, every
-    key visible) → [1, n, H, d] float32 (the layout transformers' attention functions return). A
+    h // (H / G)), mask [1, 1, n, L] additive float32 (entries ≤ −1e30 hide a key) or None (every query
+    sees every key: a decoding step's one query, a drafter's block) → [1, n, H, d] float32 (the layout
+    transformers' attention functions return). A
     row's output depends only on its query and on the sequence of keys and values its mask row leaves
     visible: not on the other rows of the call, nor on where the hidden keys sit."""
     b, heads, n, d = query.shape
     tensors = (query, key, value) + (() if mask is None else (mask,))
     if (b != 1 or key.shape != value.shape or key.shape[0] != 1 or key.shape[3] != d or heads % key.shape[1]
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
-            or (mask is None and n != 1)
             or (mask is not None and (mask.dim() != 4 or tuple(mask.shape[:3]) != (1, 1, n)
                                       or mask.shape[3] != key.shape[2]))):
         raise ValueError(f"attention wants CPU float32 query [1, H, n, d], key/value [1, G, L, d] and mask "
-                         f"[1, 1, n, L] or None for one query; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"[1, 1, n, L] or None; got {tuple(query.shape)}, {tuple(key.shape)}, "
                          f"{tuple(value.shape)}, {None if mask is None else tuple(mask.shape)}")
     if library() is None:
         raise RuntimeError(f"native CPU kernel unavailable: {_why}")
