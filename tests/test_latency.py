@@ -167,3 +167,36 @@ def test_refit_schedule_every_sample_while_short_then_every_kth():
     every.observe_many(points)
     lm2.observe_many(points)
     assert abs(lm2.predict(12, 300) - every.predict(12, 300)) / every.predict(12, 300) < 1e-9
+
+
+def test_probe_pads_by_the_median_pass_not_a_lucky_one():
+    """A row count that was fast in one pass of the probe only (a lull on a loaded host) must not
+    become the padding target: the table follows each size's median time."""
+    from contextlib import contextmanager
+
+    from bastion.engine import Engine
+    from tiny import tiny_target
+
+    target = tiny_target(dtype=torch.float32)
+    engine = Engine(target, None, kernels="torch", stop_ids=set())
+    sizes, passes = [], {}
+
+    real_forward = target.forward_tree
+
+    def forward(tokens, mask, pos):
+        sizes.append(len(tokens))
+        return real_forward(tokens, mask, pos)
+
+    @contextmanager
+    def timer(times, stage):
+        yield
+        s = sizes[-1]
+        passes[s] = passes.get(s, 0) + 1
+        # 1 ms a row, except one lucky pass of 10 rows at half the time of 8
+        setattr(times, stage, (4.0 if s == 10 and passes[s] == 3 else float(s)) * 1e-3)
+
+    target.forward_tree = forward
+    engine.timer = timer
+    engine.probe_latency(max_rows=12, sizes=(), repeats=5)
+    assert engine.padding.padded == list(range(1, 13))  # the minimum would have padded 7–9 rows to 10
+    assert engine.padding.seconds[9] == 10e-3
