@@ -37,7 +37,10 @@ class Target:
         ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training.
         SDPA attention of a few masked queries regroups grouped-query heads instead of copying the
         KV cache, and with ``native`` runs in the native kernel (``kernels.cpu_attention``; CPU only,
-        the same attention)."""
+        the same attention). ``native-bf16`` is refused: it is for drafters, whose outputs are only
+        proposals; the target's logits are what the output is made of."""
+        if linear == "native-bf16":
+            raise ValueError("linear mode 'native-bf16' rounds products to bf16: it is for drafters, not the target")
         self.model = model.eval()
         use_skinny_linear(self.model, linear)
         prepack(self.model)

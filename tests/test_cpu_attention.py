@@ -114,6 +114,8 @@ def test_target_routes_attention_by_its_linear_mode():
     assert tiny_target(dtype=torch.float32).model.config._attn_implementation == NATIVE_NAME
     fast = tiny_target(dtype=torch.float32)
     assert Target(fast.model, linear="fast").model.config._attn_implementation == NAME
+    with pytest.raises(ValueError, match="for drafters"):
+        Target(fast.model, linear="native-bf16")
 
 
 @needs_native
