@@ -148,6 +148,8 @@ def _self_test() -> bool:
 
 
 def _bf16_self_test(lib: ctypes.CDLL) -> bool:
+    """One small bf16 product against torch's product of the rounded operands: a miscompiled or
+    misreported instruction set is refused (the drafter then keeps float32)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(37, 30, generator=g)
     x = torch.randn(5, 30, generator=g)
