@@ -148,11 +148,25 @@ def test_prepack_falls_back_when_the_panels_would_not_fit(monkeypatch):
 needs_bf16 = pytest.mark.skipif("not cpu_native.bf16_available()", reason="CPU without AVX512-BF16")
 
 
-def test_bf16_is_reported_from_the_cpu_flags():
-    # where the CPU has the instruction the kernel must use it: a silent float32 fallback would hide
-    # a broken build
+def _compiler_targets_bf16() -> bool:
+    """Whether the C compiler, for this CPU (-march=native), defines __AVX512BF16__."""
+    import subprocess
+
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None:
+        return False
+    res = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True)
+    return "__AVX512BF16__" in res.stdout
+
+
+def test_bf16_is_reported_from_the_cpu_and_compiler():
+    # where the CPU has the instruction and the compiler emits it, the kernel must use it: a silent
+    # float32 fallback would hide a broken build
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    assert cpu_native.bf16_available() == (" avx512_bf16" in flags)
+    if " avx512_bf16" not in flags:
+        assert not cpu_native.bf16_available()
+    else:
+        assert cpu_native.bf16_available() == _compiler_targets_bf16()
 
 
 @needs_bf16
