@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bastion.kernels import cpu_attention, cpu_native, get_kernels
+from bastion.kernels import cpu_attention, cpu_native
 from bastion.kernels.cpu_attention import NAME, NATIVE_NAME, grouped_sdpa_forward, native_attention_forward
-from tiny import tiny_target
+from tiny import path_logits_in_tree_and_alone, tiny_target
 
 
 def _inputs(n, heads=9, groups=3, length=100, d=16, seed=0, dtype=torch.float64):
@@ -125,17 +125,6 @@ def test_tree_logits_are_bit_identical_to_one_token_at_a_time(family):
     a path inside a tree with siblings between its nodes equal, bit for bit, those of decoding the
     path's tokens one forward each — greedy verification is exact, not merely close."""
     t = tiny_target(family, dtype=torch.float32)
-    kernels = get_kernels("torch")
-    ctx, path = torch.arange(5, 45) % 90, [11, 12, 13, 14]
-    t.prefill(ctx)
-    one_by_one = []
-    for tok in path:
-        mask, pos = kernels.tree_mask([-1], t.cache_len, t.dtype, "cpu")
-        one_by_one.append(t.forward_tree(torch.tensor([tok]), mask, pos).logits[0])
-        t.commit(t.cache_len - 1, [0])
-    t.prefill(ctx)
-    parents, tokens = [-1, 0, 0, 2, 2, 4, 4], [path[0], 50, path[1], 51, path[2], 52, path[3]]
-    mask, pos = kernels.tree_mask(parents, t.cache_len, t.dtype, "cpu")
-    tree = t.forward_tree(torch.tensor(tokens), mask, pos).logits
-    for depth, row in enumerate((0, 2, 4, 6)):
-        assert torch.equal(tree[row], one_by_one[depth]), depth
+    pairs = path_logits_in_tree_and_alone(t, torch.arange(5, 45) % 90, [11, 12, 13, 14], [50, 51, 52])
+    for depth, (in_tree, alone) in enumerate(pairs):
+        assert torch.equal(in_tree, alone), depth

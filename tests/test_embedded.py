@@ -40,23 +40,13 @@ def test_tree_logits_on_the_embedded_target_equal_one_token_decoding(engine):
     """On the real target (native products and attention when built here), a path verified inside a
     tree, with siblings between its nodes, has bit-identical logits to the same tokens decoded one
     forward each — the property that makes greedy verification exact."""
-    from bastion.kernels import cpu_native, get_kernels
+    from bastion.kernels import cpu_native
+    from tiny import path_logits_in_tree_and_alone
 
     if not cpu_native.available():
         pytest.skip(f"native kernel unavailable: {cpu_native.unavailable_reason()}")
-    target, kernels = engine.target, get_kernels("torch")
+    target = engine.target
     ctx = torch.tensor(encode_prompt(target.tokenizer, "Name three rivers in Europe."))
-    path = [504, 3158, 2909, 30]
-    target.prefill(ctx)
-    one_by_one = []
-    for tok in path:
-        mask, pos = kernels.tree_mask([-1], target.cache_len, target.dtype, "cpu")
-        one_by_one.append(target.forward_tree(torch.tensor([tok]), mask, pos).logits[0])
-        target.commit(target.cache_len - 1, [0])
-    target.prefill(ctx)
-    parents, tokens = [-1, 0, 0, 2, 2, 4, 4], [path[0], 77, path[1], 99, path[2], 111, path[3]]
-    mask, pos = kernels.tree_mask(parents, target.cache_len, target.dtype, "cpu")
-    tree = target.forward_tree(torch.tensor(tokens), mask, pos).logits
-    target.reset()
-    for depth, row in enumerate((0, 2, 4, 6)):
-        assert torch.equal(tree[row], one_by_one[depth]), depth
+    pairs = path_logits_in_tree_and_alone(target, ctx, [504, 3158, 2909, 30], [77, 99, 111])
+    for depth, (in_tree, alone) in enumerate(pairs):
+        assert torch.equal(in_tree, alone), depth

@@ -37,6 +37,36 @@ def tiny_drafter(target: Target, block_size: int = 6, layers: int = 1, seed: int
     return DFlashDrafter(cfg).to(dtype or target.dtype).eval()
 
 
+def path_logits_in_tree_and_alone(target: Target, ctx: torch.Tensor, path: list[int], siblings: list[int]
+                                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits inside a tree, logits decoded alone) for each token of ``path`` after the context ``ctx``.
+
+    Alone: one forward per token, each committed before the next. In the tree: the path with a sibling
+    (``siblings[i]``, one per path token but the last) between each of its nodes, so every node's
+    visible keys are interleaved with hidden ones. Leaves the target's cache empty.
+    """
+    from bastion.kernels import get_kernels
+
+    kernels = get_kernels("torch")
+    target.prefill(ctx)
+    alone = []
+    for tok in path:
+        mask, pos = kernels.tree_mask([-1], target.cache_len, target.dtype, "cpu")
+        alone.append(target.forward_tree(torch.tensor([tok]), mask, pos).logits[0])
+        target.commit(target.cache_len - 1, [0])
+    target.prefill(ctx)
+    parents, tokens, rows = [-1], [path[0]], [0]
+    for tok, sib in zip(path[1:], siblings):
+        at = rows[-1]
+        parents += [at, at]  # the sibling first: it sits between the path's nodes
+        tokens += [sib, tok]
+        rows.append(len(tokens) - 1)
+    mask, pos = kernels.tree_mask(parents, target.cache_len, target.dtype, "cpu")
+    tree = target.forward_tree(torch.tensor(tokens), mask, pos).logits
+    target.reset()
+    return [(tree[r], a) for r, a in zip(rows, alone)]
+
+
 class OracleDrafter:
     """A test drafter that knows a reference continuation and scatters it among its top ranks.
 
