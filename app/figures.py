@@ -94,7 +94,8 @@ def _hover(step: dict, i: int, status: str) -> str:
     rank = tree.get("ranks", [0] * (i + 1))[i] if i > 0 else 0
     source = (f"prompt lookup: copied from earlier context, rate r = {tree['marginals'][i]:.3g}" if rank == -1
               else f"datastore: what the model wrote after these words elsewhere, rate r = {tree['marginals'][i]:.3g}"
-              if rank == -2 else f"drafter q = {tree['marginals'][i]:.3g}")
+              if rank == -2 else f"drafter q = {tree['marginals'][i]:.3g}"
+              + (" (re-weighted for this parent by the datastore's n-grams)" if step.get("conditioned") else ""))
     lines = [f"<b>{html.escape(repr(_text(step, tree['tokens'][i])))}</b> (id {tree['tokens'][i]})",
              f"depth {tree['depths'][i]} · pop order {i}",
              f"{source} · path P (calibrated) = {tree['path_probs'][i]:.3g}"]

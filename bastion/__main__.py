@@ -30,6 +30,8 @@ def _generate_parser(sub) -> None:
                    help="bastion: draft every round, even when a plain step is predicted faster")
     g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
     g.add_argument("--no-datastore", action="store_true", help="bastion: no datastore branch in the tree")
+    g.add_argument("--no-condition", action="store_true",
+                   help="bastion: give every node of a depth the drafter's marginals (no n-gram re-weighting)")
     g.add_argument("--no-calibration", action="store_true",
                    help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
     g.add_argument("--no-pad-rows", action="store_true",
@@ -57,6 +59,7 @@ def run_generate(a) -> int:
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
                            skip_draft=not a.no_skip_draft, lookup=not a.no_lookup, datastore=not a.no_datastore,
+                           condition=not a.no_condition,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
                            adaptive_depth=not a.full_depth)
     try:

@@ -64,6 +64,7 @@ class Strategy:
     calibrate: bool = True   # calibrated surrogate; 'bastion:raw' ranks by the drafter's own q
     lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' leaves it out
     datastore: bool = True   # bastion's datastore branch; 'bastion:nods' leaves it out
+    condition: bool = True   # bastion's n-gram re-weighting of each node's children; 'bastion:nocond' leaves it out
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
     adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
 
@@ -71,7 +72,7 @@ class Strategy:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
-                                pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth)
+                                condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -104,8 +105,10 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, "bastion", lookup=False)
     if name == "bastion:nods":
         return Strategy(name, "bastion", datastore=False)
+    if name == "bastion:nocond":
+        return Strategy(name, "bastion", condition=False)
     if name == "bastion:drafter":
-        return Strategy(name, "bastion", lookup=False, datastore=False)
+        return Strategy(name, "bastion", lookup=False, datastore=False, condition=False)
     if name == "bastion:fulldepth":
         return Strategy(name, "bastion", adaptive_depth=False)
     kind, _, budget = name.partition(":")
@@ -113,7 +116,7 @@ def _strategy(name: str) -> Strategy:
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
 
 
 @dataclass(frozen=True)
@@ -309,7 +312,8 @@ def add_parser(sub) -> None:
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
                    "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "
-                   "datastore branch), bastion:drafter (neither); "
+                   "datastore branch), bastion:nocond (no n-gram re-weighting of the tree's children), "
+                   "bastion:drafter (the drafter's marginals alone); "
                    "a drafting name ending in :nopad verifies trees without row padding")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")

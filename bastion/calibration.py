@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -194,6 +195,28 @@ class AcceptanceCalibrator:
         if D and path_scale and self.path_scale < 1.0:
             out[0] += math.log(self.path_scale)
         return out.to(logq.device, logq.dtype)
+
+    def scalar(self) -> Callable[[int, list[float]], list[float]] | None:
+        """log g as a Python function of (depth, [log q, ...]) — :meth:`log_g` for a few values at a
+        time, for per-node lookups while a tree grows (expansion.Rerank); None while nothing is
+        observed (g = q). Same table, same grid rounding, same path scale at depth 1."""
+        if self.observed == 0.0:
+            return None
+        if self._table is None:
+            self._table = self._build_table()
+        rows, top = self._table.tolist(), self.grid - 1
+        scale = math.log(self.path_scale) if self.path_scale < 1.0 else 0.0
+        by_depth: dict[int, list[float]] = {}
+
+        def log_g(depth: int, logqs: list[float]) -> list[float]:
+            row = by_depth.get(depth)
+            if row is None:
+                row = by_depth[depth] = rows[self.group(depth)]
+                if depth == 1 and scale:
+                    row = by_depth[depth] = [v + scale for v in row]
+            exp = math.exp
+            return [row[round(min(exp(x), 1.0) * top)] for x in logqs]
+        return log_g
 
     def _grid_index(self, q: torch.Tensor) -> torch.Tensor:
         """The nearest point of the q grid (a column of the table) for each q, clamped into [0, 1]."""

@@ -20,7 +20,8 @@ import torch
 
 from .calibration import AcceptanceCalibrator
 from .drafter import DFlashDrafter
-from .expansion import (BudgetRule, Expansion, best_first_from_topk, chain_from_topk, extend_with_copy,
+from .datastore import NgramPrior
+from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
 from .kernels.reference import GumbelRows
@@ -63,6 +64,7 @@ class GenerationConfig:
     lookup_ngram: int = 3    # longest context suffix matched
     lookup_tokens: int = 10  # most tokens proposed (by prompt lookup and by the datastore)
     datastore: bool = True   # bastion: add the datastore's proposal when the engine has one, see datastore.py
+    condition: bool = True   # bastion: re-weight each node's children by the datastore's n-grams (datastore.NgramPrior)
     pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
     adaptive_depth: bool = True  # bastion: draft only the depths recent trees reach, see DraftDepth
 
@@ -231,6 +233,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.datastore = datastore  # bastion.datastore.Datastore or None
+        self.prior = NgramPrior(datastore) if datastore is not None else None
         if datastore is not None and datastore.vocab_size != target.vocab_size:
             raise ValueError(f"the datastore was built for a vocabulary of {datastore.vocab_size} tokens; "
                              f"the target has {target.vocab_size}")
@@ -290,17 +293,23 @@ class Engine:
                           self.drafter.block_size - 1, cfg.min_nodes, cfg.lookahead)
 
     def _build(self, cfg: GenerationConfig, root: int, topk: tuple[list, list] | None, context: int,
-               raw: list[list[float]] | None = None) -> Expansion:
+               raw: list[list[float]] | None = None, before_root: int | None = None,
+               calib: AcceptanceCalibrator | None = None) -> Expansion:
         """The tree of this round: root only (ar), the argmax path (chain) or best-first (fixed, bastion).
-        ``topk`` holds the (possibly calibrated) log confidences and ids, ``raw`` the drafter's log q."""
+        ``topk`` holds the (possibly calibrated) log confidences and ids, ``raw`` the drafter's log q;
+        ``before_root`` is the committed token before the root and ``calib`` the request's calibrator
+        (Bastion's n-gram re-weighting needs both)."""
         if topk is None:
             c1 = self.cost(cfg, context)(1)
             return Expansion(DraftTree.root_only(root), stop_reason="autoregressive: root only", root_cost=c1)
         vals, ids = topk
         if cfg.strategy == "chain":
             return chain_from_topk(root, vals, ids, raw)
+        rerank = None
+        if cfg.strategy == "bastion" and cfg.condition and self.prior is not None:
+            rerank = Rerank(raw or vals, ids, self.prior, calib.scalar() if cfg.calibrate and calib else None)
         return best_first_from_topk(root, vals, ids, self._rule(cfg), self.cost(cfg, context),
-                                    self.latency.round_overhead(), raw)
+                                    self.latency.round_overhead(), raw, rerank, before_root)
 
     def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
         """The drafter's draft vocabulary widened by the prompt's tokens (None: full vocabulary).
@@ -404,6 +413,7 @@ class Engine:
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
+        before_root = prompt_ids[-2] if len(prompt_ids) > 1 else None
         vocab, in_vocab = self._request_vocab(prompt_ids)
         calib = self.calibrator(cfg)
         copies = self.copy_sources(cfg, prompt_ids)
@@ -429,7 +439,7 @@ class Engine:
                     topk = (used.float().cpu().tolist(), ids.cpu().tolist())
                     raw_logq = raw.float().cpu().tolist() if used is not raw else None
             with self.timer(times, "build"):
-                exp = self._build(cfg, root, topk, prefix, raw_logq)
+                exp = self._build(cfg, root, topk, prefix, raw_logq, before_root, calib)
                 tree = exp.tree
                 cost = self.cost(cfg, prefix)
                 if gate is not None and drafting:
@@ -494,7 +504,8 @@ class Engine:
                         draft_logq=[row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
                         draft_ids=[row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
                         lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=rows,
-                        datastore_tokens=datastore_tokens, datastore_rates=datastore_rates)
+                        datastore_tokens=datastore_tokens, datastore_rates=datastore_rates,
+                        conditioned=exp.conditioned)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time
@@ -502,6 +513,7 @@ class Engine:
             if finish:
                 return
             committed += len(new)
+            before_root = new[-2] if len(new) > 1 else root
             root = acc.bonus
             index += 1
 

@@ -60,6 +60,7 @@ class Expansion:
     root_cost: float = 0.0        # predicted C(1)
     root_throughput: float = 0.0  # predicted 1 / (T + C(1))
     round_overhead: float = 0.0   # T = T_d + T_o used for the decisions
+    conditioned: bool = False     # children listed per node (Rerank), not per depth
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,43 @@ class BudgetRule:
     max_depth: int = 15
     min_nodes: int = 0
     lookahead: int = 8
+
+
+@dataclass
+class Rerank:
+    """Per-node candidate lists for :func:`best_first_from_topk`: under a node whose last two tokens
+    are (prev, last), depth d's top ``width`` drafter candidates re-weighted by ``prior``
+    (datastore.NgramPrior: q → q'), then mapped to log confidences by ``calibrate`` ((depth, [log q'])
+    → [log g], the calibrator's scalar form; None: the identity), sorted descending (stable: ties
+    keep the drafter's order). A node's stored
+    marginal is its q' — what the calibrator then learns from.
+
+    ``raw``/``ids``: per depth 1..D, the drafter's top-k log q (descending) and token ids."""
+
+    raw: list[list[float]]
+    ids: list[list[int]]
+    prior: object  # datastore.NgramPrior (duck-typed: ``condition(prev, last, logq, tokens)``)
+    calibrate: Callable[[int, list[float]], list[float]] | None = None
+    width: int = 8
+    _bounds: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def bound(self, depth: int) -> float:
+        """An upper bound on the best child's log confidence at ``depth`` under any node: q' ≤ the
+        candidates' drafter mass M (the re-weighting keeps M), and g is non-decreasing. Lets the
+        builder list a node's children only when that bound comes up in its heap."""
+        got = self._bounds.get(depth)
+        if got is None:
+            mass = min(math.fsum(math.exp(v) for v in self.raw[depth - 1][:self.width]), 1.0)
+            logm = math.log(mass) if mass > 0 else -math.inf
+            got = self._bounds[depth] = self.calibrate(depth, [logm])[0] if self.calibrate else logm
+        return got
+
+    def __call__(self, depth: int, prev: int | None, last: int) -> tuple[list[float], list[int], list[float]]:
+        logq, toks = self.raw[depth - 1][:self.width], self.ids[depth - 1][:self.width]
+        cond = self.prior.condition(prev, last, logq, toks)
+        g = self.calibrate(depth, cond) if self.calibrate else cond
+        order = sorted(range(len(toks)), key=g.__getitem__, reverse=True)
+        return [g[j] for j in order], [toks[j] for j in order], [cond[j] for j in order]
 
 
 def topk_tensors(logq: torch.Tensor, k: int, vocab: torch.Tensor | None = None
@@ -126,7 +164,8 @@ def best_first_tree(root: int, logq: torch.Tensor, rule: BudgetRule,
 
 def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]], rule: BudgetRule,
                          cost: Callable[[int], float] | None = None, round_overhead: float = 0.0,
-                         raw: list[list[float]] | None = None) -> Expansion:
+                         raw: list[list[float]] | None = None, rerank: "Rerank | None" = None,
+                         before_root: int | None = None) -> Expansion:
     """Grow a tree best-first.
 
     Args:
@@ -139,6 +178,11 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
         cost: n_nodes -> predicted verification seconds C(n) (tree size including the root);
             required for 'adaptive', used for the trace of 'fixed'.
         round_overhead: T = T_d + T_o in seconds.
+        rerank: per-node candidate lists (:class:`Rerank`): the children of a node are then depth
+            d+1's candidates re-weighted by the node's last two tokens, not one list shared by the
+            whole depth. Best-first stays exact as long as each list is sorted and its values are
+            ≤ 0 (a child never beats its parent).
+        before_root: the committed token before the root (the root's children's history).
     """
     max_depth = min(rule.max_depth, len(vals))
     limit = min(rule.budget if rule.kind == "fixed" else rule.max_nodes, rule.max_nodes)
@@ -146,34 +190,52 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
     raw = raw or vals
     c_now = cost(1) if cost else 0.0
     exp = Expansion(tree, root_cost=c_now, round_overhead=round_overhead,
-                    root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0)
+                    root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0,
+                    conditioned=rerank is not None)
     if limit <= 0 or max_depth <= 0 or not vals[0]:
         exp.stop_reason = "budget 0: root only"
         return exp
-    width = len(vals[0])
+    # the candidate list under each node: (log confidences descending, ids, raw log q) — one list
+    # per depth shared by all its nodes, or with ``rerank`` one per node, made when it is popped
+    shared = [(v, t, q) for v, t, q in zip(vals, ids, raw)]
+    lists = {0: rerank(1, before_root, root) if rerank else shared[0]}
+    last_two = {0: (before_root, root)}
     # heap entries: (−log P, tie-breaker, depth, rank, parent, log P of parent)
-    heap = [(-vals[0][0], 0, 1, 0, 0, 0.0)]
+    heap = [(-lists[0][0][0], 0, 1, 0, 0, 0.0)] if lists[0][0] else []
     counter = 1
     s_total, best_thr, best_n = 1.0, exp.root_throughput, 1
     nodes: list[tuple] = []  # popped candidates in order, materialised into the tree at the end
     misses = 0
     while heap and len(nodes) < limit:
         neg, _, d, r, parent, parent_logp = heapq.heappop(heap)
+        if r < 0:  # a node's children, listed only now that the bound on the best of them came up
+            lists[parent] = rerank(d, *last_two[parent])
+            if lists[parent][0]:
+                heapq.heappush(heap, (-(parent_logp + lists[parent][0][0]), counter, d, 0, parent, parent_logp))
+                counter += 1
+            continue
         logp = -neg
         idx = len(nodes) + 1
-        nodes.append((ids[d - 1][r], parent, math.exp(raw[d - 1][r]), math.exp(logp), r))
-        if r + 1 < width:
-            heapq.heappush(heap, (-(parent_logp + vals[d - 1][r + 1]), counter, d, r + 1, parent, parent_logp))
+        lv, lt, lq = lists[parent]
+        token = lt[r]
+        nodes.append((token, parent, math.exp(lq[r]), math.exp(logp), r))
+        if r + 1 < len(lv):
+            heapq.heappush(heap, (-(parent_logp + lv[r + 1]), counter, d, r + 1, parent, parent_logp))
             counter += 1
         if d < max_depth:
-            heapq.heappush(heap, (-(logp + vals[d][0]), counter, d + 1, 0, idx, logp))
-            counter += 1
+            if rerank:  # lazily: most popped nodes' children never come up (see Rerank.bound)
+                last_two[idx] = (last_two[parent][1], token)
+                heapq.heappush(heap, (-(logp + rerank.bound(d + 1)), counter, d + 1, -1, idx, logp))
+                counter += 1
+            elif shared[d][0]:
+                lists[idx] = shared[d]
+                heapq.heappush(heap, (-(logp + shared[d][0][0]), counter, d + 1, 0, idx, logp))
+                counter += 1
         p = math.exp(logp)
         s_total += p
         c_next = cost(idx + 1) if cost else 0.0
         denom = round_overhead + c_next
         thr = s_total / denom if cost and denom > 0 else 0.0
-        token = ids[d - 1][r]
         if rule.kind == "fixed":
             exp.trace.append(Decision(idx, d, token, parent, p, s_total, c_next, thr, True, "within fixed budget"))
             best_n = idx + 1

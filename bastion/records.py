@@ -59,11 +59,12 @@ class Step:
     rows: int = 0                # rows the target verified: the tree plus padding (0: a record made before padding)
     datastore_tokens: list[int] = field(default_factory=list)  # this round's datastore proposal (may be unused)
     datastore_rates: list[float] = field(default_factory=list)
+    conditioned: bool = False    # the drafter nodes' children were re-weighted per parent (datastore.NgramPrior)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
                                             "token_texts", "bonus", "context_len", "generated", "finished",
-                                            "finish_reason", "rows")}
+                                            "finish_reason", "rows", "conditioned")}
         d.update(tree=self.tree.to_dict(), trace=[x.to_dict() for x in self.trace],
                  expected_tokens=round(self.expected_tokens, 6),
                  predicted_verify_s=round(self.predicted_verify_s, 6),
@@ -96,7 +97,8 @@ class Step:
             lookup_rates=[float(v) for v in d.get("lookup_rates", [])], rows=int(d.get("rows", 0)),
             datastore_tokens=[int(v) for v in d.get("datastore_tokens", [])],
             datastore_rates=[float(v) for v in d.get("datastore_rates", [])],
-            finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")))
+            finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")),
+            conditioned=bool(d.get("conditioned", False)))
 
 
 @dataclass

@@ -129,10 +129,12 @@ def test_nopad_variants_turn_row_padding_off():
     assert not any(s.pad_rows for n, s in found.items() if n != "ar")
     assert found["fixed:16:nopad"].budget == 16 and not found["bastion:nolookup:nopad"].lookup
     assert not found["bastion:nopad"].config(8, 0.0, 0).pad_rows
-    sources = {s.name: s for s in bench.parse_strategies("bastion,bastion:nods,bastion:drafter,bastion:nolookup")}
-    assert [(s.lookup, s.datastore) for s in list(sources.values())[1:]] == [(True, True), (True, False), (False, False),
-                                                                           (False, True)]
+    sources = {s.name: s for s in bench.parse_strategies("bastion,bastion:nods,bastion:drafter,bastion:nolookup,"
+                                                         "bastion:nocond")}
+    assert [(s.lookup, s.datastore, s.condition) for s in list(sources.values())[1:]] == [
+        (True, True, True), (True, False, True), (False, False, False), (False, True, True), (True, True, False)]
     assert not sources["bastion:drafter"].config(8, 0.0, 0).datastore
+    assert not sources["bastion:nocond"].config(8, 0.0, 0).condition and sources["bastion"].config(8, 0.0, 0).condition
 
 
 def test_drafter_linear_follows_linear_unless_given():

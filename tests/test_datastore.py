@@ -1,6 +1,7 @@
 """The retrieval datastore: proposals against a brute-force scan, persistence, bad files, the engine."""
 
 import collections
+import math
 import random
 
 import pytest
@@ -156,3 +157,60 @@ def test_build_command_writes_the_datastore_from_training_shards(tmp_path, capsy
     (empty / "config.json").write_text('{"vocab_size": 10}')
     assert main(["--data", str(more), "--out", str(empty), "--extend"]) == 2  # nothing to extend
     assert "no datastore" in capsys.readouterr().err
+
+
+def test_successor_counts_match_a_brute_force_count():
+    rng = random.Random(3)
+    seqs = [[rng.randrange(6) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+    ds = Datastore.from_sequences(seqs, 6)
+    for prefix in [(a,) for a in range(6)] + [(a, b) for a in range(6) for b in range(6)]:
+        n = len(prefix)
+        # the index holds n+1-grams that have a token after them: a reply's last one is left out
+        want = collections.Counter(s[e + 1] for s in seqs for e in range(n - 1, len(s) - 2)
+                                   if tuple(s[e - n + 1:e + 1]) == prefix)
+        counts, total = ds.successors(prefix)
+        assert counts == dict(want) and total == sum(want.values())
+        assert ds.successors(prefix) is ds.successors(prefix)  # kept per prefix
+    with pytest.raises(ValueError, match="1 or 2 tokens"):
+        ds.successors((1, 2, 3))
+
+
+def test_ngram_prior_reweights_by_what_followed_and_keeps_the_mass():
+    from bastion.datastore import NgramPrior
+
+    # after (4, 5) the replies wrote 2 nine times and 3 once
+    ds = Datastore.from_sequences([[4, 5, 2, 0]] * 9 + [[4, 5, 3, 0], [1, 1, 1]], 10)
+    prior = NgramPrior(ds, beta=0.5)
+    logq = [math.log(0.3), math.log(0.3), math.log(0.2)]
+    out = prior.condition(4, 5, logq, [3, 2, 7])
+    assert out[1] > out[0] > out[2]  # 2 followed most, 7 never
+    assert abs(sum(map(math.exp, out)) - 0.8) < 1e-12  # the candidates' drafter mass is kept
+    assert all(x <= 0.0 for x in out)
+    # a bigram only (no earlier token), an unseen last token and β = 0 leave q alone or nearly
+    assert prior.condition(None, 5, logq, [3, 2, 7])[1] > prior.condition(None, 5, logq, [3, 2, 7])[0]
+    assert prior.condition(4, 8, logq, [3, 2, 7]) == logq
+    assert NgramPrior(ds, beta=0.0).condition(4, 5, logq, [3, 2, 7]) == logq
+    with pytest.raises(ValueError):
+        NgramPrior(ds, beta=-1.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_conditioned_trees_stay_lossless_and_differ_from_plain_ones(temperature):
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7, 11]
+    cfg = dict(max_new_tokens=40, temperature=temperature, seed=5, lookup=False, datastore=False)
+    plain = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    ref = plain.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
+    rng = random.Random(0)  # a datastore of random text: its n-grams re-rank the random drafter's trees
+    ds = Datastore.from_sequences([[rng.randrange(target.vocab_size) for _ in range(400)]], target.vocab_size)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set(), datastore=ds)
+    on = list(engine.generate(prompt, GenerationConfig(strategy="bastion", min_nodes=6, **cfg)))
+    off = list(engine.generate(prompt, GenerationConfig(strategy="bastion", min_nodes=6, condition=False, **cfg)))
+    assert [t for s in on for t in s.tokens] == ref and [t for s in off for t in s.tokens] == ref
+    # the first round's drafts are the same; its tree differs once the n-grams re-rank children
+    assert on[0].draft_ids == off[0].draft_ids
+    assert any(a.tree.tokens != b.tree.tokens for a, b in zip(on, off))
+    assert all(s.conditioned for s in on if len(s.tree) > 1) and not any(s.conditioned for s in off)
+    from bastion.records import Step
+
+    assert Step.from_dict(on[0].to_dict()).conditioned == on[0].conditioned

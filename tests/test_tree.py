@@ -99,3 +99,69 @@ def test_json_round_trip_and_validation():
         assert "precede" in str(exc)
     else:
         raise AssertionError("invalid tree accepted")
+
+
+class _PairPrior:
+    """A stand-in for datastore.NgramPrior: a fixed random weight per (prev, last, token), the mass
+    kept — enough to make every node's children differ."""
+
+    def __init__(self, seed):
+        self.rng, self.w = random.Random(seed), {}
+
+    def condition(self, prev, last, logq, tokens):
+        import math
+
+        w = [self.w.setdefault((prev, last, t), self.rng.uniform(-2.0, 0.0)) for t in tokens]
+        mass = math.log(sum(math.exp(a) for a in logq))
+        z = math.log(sum(math.exp(a + b) for a, b in zip(logq, w)))
+        return [min(a + b - z + mass, 0.0) for a, b in zip(logq, w)]
+
+
+def test_reranked_best_first_is_the_best_tree_of_its_size():
+    """With per-node candidate lists (expansion.Rerank, children listed lazily), the first n pops
+    are still the n most likely nodes of the whole conditioned tree."""
+    import itertools
+    import math
+
+    from bastion.expansion import Rerank, best_first_from_topk, topk_marginals
+
+    rng = random.Random(2)
+    for trial in range(6):
+        D, V = 3, 4
+        logq = random_logq(D, V, rng)
+        vals, ids = topk_marginals(logq, V)
+        calibrate = (lambda d, xs: [x * 1.3 - 0.05 * d for x in xs]) if trial % 2 else None  # monotone
+        rerank = Rerank(vals, ids, _PairPrior(trial), calibrate, width=V)
+        score = {(): 0.0}
+        for d in range(1, D + 1):  # the conditioned log P of every path, by brute force
+            for path in itertools.product(range(V), repeat=d):
+                prev = ([9, 0] + list(path))[-3]
+                lv, lt, _ = rerank(d, prev, ([9, 0] + list(path))[-2])
+                score[path] = score[path[:-1]] + lv[lt.index(path[-1])]
+        ranked = sorted((s for p, s in score.items() if p), reverse=True)
+        for n in (1, 3, 7, 15):
+            exp = best_first_from_topk(0, vals, ids, BudgetRule("fixed", budget=n, max_nodes=n, max_depth=D),
+                                       rerank=rerank, before_root=9)
+            t = exp.tree
+            t.validate()
+            got = sorted((math.log(p) for p in t.path_probs[1:]), reverse=True)
+            assert len(got) == n and all(abs(a - b) < 1e-9 for a, b in zip(got, ranked[:n]))
+            assert all(t.parents[i] < i for i in range(1, len(t)))
+
+
+def test_rerank_with_an_identity_prior_builds_the_plain_tree():
+    from bastion.expansion import Rerank, best_first_from_topk, topk_marginals
+
+    class Identity:
+        def condition(self, prev, last, logq, tokens):
+            return list(logq)
+
+    rng = random.Random(4)
+    for _ in range(10):
+        logq = random_logq(rng.randint(1, 8), 50, rng)
+        vals, ids = topk_marginals(logq, 8)
+        n = rng.randint(1, 30)
+        rule = BudgetRule("fixed", budget=n, max_nodes=n, max_depth=15)
+        a = best_first_from_topk(1, vals, ids, rule).tree
+        b = best_first_from_topk(1, vals, ids, rule, rerank=Rerank(vals, ids, Identity()), before_root=2).tree
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
