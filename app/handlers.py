@@ -174,6 +174,8 @@ def stats_markdown(run: dict | None) -> str:
 
 _TOPK_CAVEAT = (f" _(Runs record the drafter's top {TOPK_RECORDED} per depth and this round's tree used a lower "
                 f"rank, so even on this machine the replay can differ from what ran.)_")
+_CONDITIONED_CAVEAT = (" _(The re-plan gives every node of a depth the same candidates; the engine also re-weighted "
+                       "each node's children by the datastore's n-grams, so even on this machine its tree can differ.)_")
 
 
 def whatif_markdown(rec: dict, plan: dict | None, device: str) -> str:
@@ -185,7 +187,8 @@ def whatif_markdown(rec: dict, plan: dict | None, device: str) -> str:
     return (f"Round {rec['index']} re-planned under {where}, T = {1e3 * plan['overhead_s']:.3g} ms: Bastion would "
             f"verify **{len(plan['tree']['tokens'])}** nodes (S = {plan['expected_tokens']:.2f} expected tokens, "
             f"predicted C = {1e3 * plan['predicted_verify_s']:.3g} ms); {here}, strategy {rec['strategy']}. "
-            f"Stop: {plan['stop_reason']}." + (_TOPK_CAVEAT if max(rec["tree"]["ranks"]) >= TOPK_RECORDED else ""))
+            f"Stop: {plan['stop_reason']}." + (_TOPK_CAVEAT if max(rec["tree"]["ranks"]) >= TOPK_RECORDED else "")
+            + (_CONDITIONED_CAVEAT if rec.get("conditioned") else ""))
 
 
 def round_view(run: dict, index: int, device: str) -> View:

@@ -233,3 +233,14 @@ def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
     assert records[0]["calib"] != before and records[0]["calib"]["padded"] == padding.padded
     assert {s for s, _, _ in lat.samples} >= probed
     assert records[1]["calib"] != records[0]["calib"]  # each record carries the state its round used
+
+
+def test_whatif_text_warns_when_the_engine_conditioned_the_tree():
+    from app.handlers import whatif_markdown
+
+    rec = {"index": 3, "tree": {"tokens": [1, 2, 3], "ranks": [0, 0, 1]}, "expected_tokens": 1.7, "strategy": "bastion"}
+    plan = {"tree": {"tokens": [1, 2]}, "expected_tokens": 1.5, "overhead_s": 0.004, "predicted_verify_s": 0.03,
+            "stop_reason": "no gain"}
+    plain = whatif_markdown(rec, plan, THIS_MACHINE)
+    assert "n-grams" not in plain and "**2** nodes" in plain
+    assert "datastore's n-grams" in whatif_markdown({**rec, "conditioned": True}, plan, THIS_MACHINE)
