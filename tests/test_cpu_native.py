@@ -257,7 +257,7 @@ def _attention_reference(q, k, v, mask, scale):
     return (torch.softmax(scores, -1) @ vv).transpose(1, 2).float()
 
 
-@pytest.mark.parametrize("heads,groups", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("heads,groups", [(9, 3), (4, 4), (8, 2), (12, 2), (7, 1)])
 @pytest.mark.parametrize("d", [64, 128, 16, 12])
 @pytest.mark.parametrize("n,length", [(1, 1), (1, 37), (2, 40), (9, 160), (64, 300)])
 def test_attention_equals_the_softmax_reference(heads, groups, d, n, length):
@@ -281,6 +281,19 @@ def test_attention_rows_depend_only_on_their_visible_keys():
         keep = mask[0, 0, i] > -1e30  # the same row over only its visible keys, packed together
         packed = cpu_native.attention(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], mask[:, :, i:i + 1, keep], 0.125)
         assert torch.equal(packed, alone), i
+
+
+@pytest.mark.parametrize("heads,groups", [(9, 3), (12, 2)])
+def test_attention_heads_that_share_loads_equal_each_head_alone(heads, groups):
+    """The query heads of a KV head run together (sharing its key and value loads, up to four at a
+    time); each head's output must still be exactly what it gets run alone."""
+    q, k, v, mask = _attention_case(5, heads, groups, 64, 90, seed=4)
+    full = cpu_native.attention(q, k, v, mask, 0.125)
+    per = heads // groups
+    for h in range(heads):
+        g = h // per
+        alone = cpu_native.attention(q[:, h:h + 1], k[:, g:g + 1], v[:, g:g + 1], mask, 0.125)
+        assert torch.equal(alone[:, :, 0], full[:, :, h]), h
 
 
 def test_attention_refuses_what_it_cannot_run():
