@@ -84,6 +84,7 @@ class AcceptanceCalibrator:
     refresh: float = 0.02     # rebuild the log g table when new counts exceed this share of all
     _table: torch.Tensor | None = field(default=None, repr=False)  # [G, grid] log g on the q grid
     _since: float = field(default=0.0, repr=False)  # counts observed since the table was built
+    _rows: tuple | None = field(default=None, repr=False)  # (the table, its rows as lists) for scalar()
 
     def __post_init__(self) -> None:
         if list(self.depth_groups) != sorted(set(self.depth_groups)) or self.depth_groups[0] != 1:
@@ -197,25 +198,26 @@ class AcceptanceCalibrator:
         return out.to(logq.device, logq.dtype)
 
     def scalar(self) -> Callable[[int, list[float]], list[float]] | None:
-        """log g as a Python function of (depth, [log q, ...]) — :meth:`log_g` for a few values at a
-        time, for per-node lookups while a tree grows (expansion.Rerank); None while nothing is
+        """log g as a Python function of (depth, [q, ...]) — :meth:`log_g` for a few probabilities
+        at a time, for per-node lookups while a tree grows (expansion.Rerank); None while nothing is
         observed (g = q). Same table, same grid rounding, same path scale at depth 1."""
         if self.observed == 0.0:
             return None
         if self._table is None:
             self._table = self._build_table()
-        rows, top = self._table.tolist(), self.grid - 1
+        if self._rows is None or self._rows[0] is not self._table:  # the table as lists, once per build
+            self._rows = (self._table, self._table.tolist())
+        rows, top = self._rows[1], self.grid - 1
         scale = math.log(self.path_scale) if self.path_scale < 1.0 else 0.0
         by_depth: dict[int, list[float]] = {}
 
-        def log_g(depth: int, logqs: list[float]) -> list[float]:
+        def log_g(depth: int, qs: list[float]) -> list[float]:
             row = by_depth.get(depth)
             if row is None:
                 row = by_depth[depth] = rows[self.group(depth)]
                 if depth == 1 and scale:
                     row = by_depth[depth] = [v + scale for v in row]
-            exp = math.exp
-            return [row[round(min(exp(x), 1.0) * top)] for x in logqs]
+            return [row[round(min(max(x, 0.0), 1.0) * top)] for x in qs]
         return log_g
 
     def _grid_index(self, q: torch.Tensor) -> torch.Tensor:

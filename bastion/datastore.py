@@ -237,33 +237,35 @@ class NgramPrior:
         self.datastore, self.beta, self.smoothing = datastore, beta, smoothing
         self.bigram_weight, self.floor = bigram_weight, floor
 
-    def log_weights(self, prev: int | None, last: int, tokens: list[int]) -> list[float] | None:
-        """β · log p₃(t | prev, last) for each t in ``tokens`` (p₂ alone when prev is None or the
-        pair is unseen); None when the weights are all equal (β = 0, or ``last`` never seen)."""
-        if self.beta == 0:
+    def reweight(self, prev: int | None, last: int, q: list[float], tokens: list[int],
+                 mass: float) -> list[float] | None:
+        """q' (see the class docstring) for candidates ``tokens`` with drafter probabilities ``q``
+        summing to ``mass``; None when every weight is the same (β = 0, or ``last`` never seen), i.e.
+        q' = q. Plain floats: a tree asks this ~10 times a round for 8 candidates."""
+        if self.beta == 0 or not tokens:
             return None
         c2, n2 = self.datastore.successors((last,))
         if not n2:
             return None
-        lam_eps, d2 = self.bigram_weight * self.floor, n2 + self.bigram_weight
+        lam_eps, d2, beta = self.bigram_weight * self.floor, n2 + self.bigram_weight, self.beta
         c3, n3 = self.datastore.successors((prev, last)) if prev is not None else (None, 0)
-        beta, log = self.beta, math.log
         if n3:
             m = self.smoothing
             d3 = n3 + m
-            return [beta * log((c3.get(t, 0) + m * (c2.get(t, 0) + lam_eps) / d2) / d3) for t in tokens]
-        return [beta * log((c2.get(t, 0) + lam_eps) / d2) for t in tokens]
+            qw = [qi * ((c3.get(t, 0) + m * (c2.get(t, 0) + lam_eps) / d2) / d3) ** beta for qi, t in zip(q, tokens)]
+        else:
+            qw = [qi * ((c2.get(t, 0) + lam_eps) / d2) ** beta for qi, t in zip(q, tokens)]
+        z = sum(qw)
+        if not z > 0:
+            return None
+        k = mass / z
+        return [min(x * k, 1.0) for x in qw]
 
     def condition(self, prev: int | None, last: int, logq: list[float], tokens: list[int]) -> list[float]:
-        """log q' (see the class docstring) for candidates with drafter log q ``logq``."""
-        w = self.log_weights(prev, last, tokens) if tokens else None
-        if w is None:
-            return list(logq)
-        s = [a + b for a, b in zip(logq, w)]
-        top = max(s)
-        exp = math.exp
-        shift = math.log(sum(exp(a) for a in logq)) - math.log(sum(exp(x - top) for x in s)) - top
-        return [min(x + shift, 0.0) for x in s]
+        """:meth:`reweight` in log space: log q' for candidates with drafter log q ``logq``."""
+        q = [math.exp(a) for a in logq]
+        out = self.reweight(prev, last, q, tokens, math.fsum(q))
+        return list(logq) if out is None else [math.log(x) if x > 0 else -math.inf for x in out]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,35 +80,46 @@ class BudgetRule:
 class Rerank:
     """Per-node candidate lists for :func:`best_first_from_topk`: under a node whose last two tokens
     are (prev, last), depth d's top ``width`` drafter candidates re-weighted by ``prior``
-    (datastore.NgramPrior: q → q'), then mapped to log confidences by ``calibrate`` ((depth, [log q'])
-    → [log g], the calibrator's scalar form; None: the identity), sorted descending (stable: ties
-    keep the drafter's order). A node's stored
-    marginal is its q' — what the calibrator then learns from.
+    (datastore.NgramPrior.reweight: q → q'), then mapped to log confidences by ``calibrate``
+    ((depth, [q']) → [log g], the calibrator's scalar form; None: log q'), sorted descending (stable: ties
+    keep the drafter's order). A node's stored marginal is its q' — what the calibrator then learns
+    from — and its rank its place in its parent's list.
 
     ``raw``/``ids``: per depth 1..D, the drafter's top-k log q (descending) and token ids."""
 
     raw: list[list[float]]
     ids: list[list[int]]
-    prior: object  # datastore.NgramPrior (duck-typed: ``condition(prev, last, logq, tokens)``)
+    prior: object  # datastore.NgramPrior (duck-typed: ``reweight(prev, last, q, tokens, mass)``)
     calibrate: Callable[[int, list[float]], list[float]] | None = None
     width: int = 8
-    _bounds: dict[int, float] = field(default_factory=dict, repr=False)
+    _depths: dict[int, tuple] = field(default_factory=dict, repr=False)  # per depth: see _depth
+
+    def _depth(self, depth: int) -> tuple[list[float], list[float], list[int], float, float]:
+        """(top-``width`` log q, q, their ids, their mass M, the bound) of one depth, made once."""
+        got = self._depths.get(depth)
+        if got is None:
+            logq, toks = self.raw[depth - 1][:self.width], self.ids[depth - 1][:self.width]
+            q = [math.exp(v) for v in logq]
+            mass = min(math.fsum(q), 1.0)
+            bound = self.calibrate(depth, [mass])[0] if self.calibrate else (math.log(mass) if mass > 0 else -math.inf)
+            got = self._depths[depth] = (logq, q, toks, mass, bound)
+        return got
 
     def bound(self, depth: int) -> float:
         """An upper bound on the best child's log confidence at ``depth`` under any node: q' ≤ the
         candidates' drafter mass M (the re-weighting keeps M), and g is non-decreasing. Lets the
         builder list a node's children only when that bound comes up in its heap."""
-        got = self._bounds.get(depth)
-        if got is None:
-            mass = min(math.fsum(math.exp(v) for v in self.raw[depth - 1][:self.width]), 1.0)
-            logm = math.log(mass) if mass > 0 else -math.inf
-            got = self._bounds[depth] = self.calibrate(depth, [logm])[0] if self.calibrate else logm
-        return got
+        return self._depth(depth)[4]
 
     def __call__(self, depth: int, prev: int | None, last: int) -> tuple[list[float], list[int], list[float]]:
-        logq, toks = self.raw[depth - 1][:self.width], self.ids[depth - 1][:self.width]
-        cond = self.prior.condition(prev, last, logq, toks)
-        g = self.calibrate(depth, cond) if self.calibrate else cond
+        logq, q, toks, mass, _ = self._depth(depth)
+        qc = self.prior.reweight(prev, last, q, toks, mass)
+        if qc is None:
+            cond, qc = logq, q
+        else:
+            log = math.log
+            cond = [log(x) if x > 0 else -math.inf for x in qc]
+        g = self.calibrate(depth, qc) if self.calibrate else cond
         order = sorted(range(len(toks)), key=g.__getitem__, reverse=True)
         return [g[j] for j in order], [toks[j] for j in order], [cond[j] for j in order]
 

@@ -129,3 +129,18 @@ def test_table_rebuilt_once_new_counts_reach_the_refresh_share():
             assert torch.equal(lazy.log_g(logq, path_scale=False), exact.log_g(logq, path_scale=False))
     assert 200 < stale < 300  # most rounds reuse the table; rebuilds keep coming
     assert torch.allclose(lazy.log_g(logq).exp(), exact.log_g(logq).exp(), atol=0.02)
+
+
+def test_scalar_lookup_equals_the_table_lookup():
+    """expansion.Rerank calibrates a node's few candidates through scalar(); it must give log_g's values."""
+    assert AcceptanceCalibrator().scalar() is None  # nothing observed: the identity, applied by the caller
+    cal = AcceptanceCalibrator(decay=1.0)
+    _feed(cal, lambda q: q * q, 3000, depth=1)
+    _feed(cal, lambda q: 0.7 * q, 3000, depth=2, seed=1)
+    f = cal.scalar()
+    qs = [0.001, 0.2, 0.5, 0.73, 0.999, 1.0]
+    for depth in (1, 2, 5):
+        rows = torch.full((depth, len(qs)), -30.0)
+        rows[depth - 1] = torch.tensor(qs).log()
+        want = cal.log_g(rows)[depth - 1].tolist()  # depth 1 includes the path scale in both
+        assert f(depth, qs) == pytest.approx(want, abs=1e-6)

@@ -307,3 +307,24 @@ def test_attention_refuses_what_it_cannot_run():
         cpu_native.attention(q, k, v, mask[..., :-1], 0.25)
     with pytest.raises(ValueError, match="attention wants"):
         cpu_native.attention(q[:, :3], k, v, mask, 0.25)  # 3 heads do not share 2 KV heads
+
+
+def test_move_rows_equals_torchs_gather_and_refuses_what_it_cannot_move():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1, 3, 12, 16, generator=g) for _ in range(4)]
+    tensors.append(torch.randn(1, 3, 20, 16, generator=g)[:, :, :12])  # other strides (a cropped view)
+    src, dst = [5, 7, 8, 11], [5, 6, 7, 8]
+    want = [t.clone() for t in tensors]
+    for w in want:
+        w[:, :, 5:9] = w.index_select(2, torch.tensor(src))
+    assert cpu_native.move_rows(tensors, src, dst)
+    assert all(torch.equal(t, w) for t, w in zip(tensors, want))
+    # not float32, rows out of range, or another head count: nothing moved, the caller uses torch
+    for bad in ([tensors[0].double()], [tensors[0][:, :, :10]], [tensors[0], tensors[1][:, :2]]):
+        before = [t.clone() for t in bad]
+        assert not cpu_native.move_rows(bad, src, dst)
+        assert all(torch.equal(t, b) for t, b in zip(bad, before))
+    with pytest.raises(ValueError, match="increasing"):
+        cpu_native.move_rows(tensors, [7, 5], [5, 6])
+    with pytest.raises(ValueError, match="increasing"):
+        cpu_native.move_rows(tensors, [5, 7], [5, 8])

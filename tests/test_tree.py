@@ -108,13 +108,9 @@ class _PairPrior:
     def __init__(self, seed):
         self.rng, self.w = random.Random(seed), {}
 
-    def condition(self, prev, last, logq, tokens):
-        import math
-
-        w = [self.w.setdefault((prev, last, t), self.rng.uniform(-2.0, 0.0)) for t in tokens]
-        mass = math.log(sum(math.exp(a) for a in logq))
-        z = math.log(sum(math.exp(a + b) for a, b in zip(logq, w)))
-        return [min(a + b - z + mass, 0.0) for a, b in zip(logq, w)]
+    def reweight(self, prev, last, q, tokens, mass):
+        w = [qi * self.w.setdefault((prev, last, t), self.rng.uniform(0.1, 1.0)) for qi, t in zip(q, tokens)]
+        return [x * mass / sum(w) for x in w]
 
 
 def test_reranked_best_first_is_the_best_tree_of_its_size():
@@ -130,7 +126,7 @@ def test_reranked_best_first_is_the_best_tree_of_its_size():
         D, V = 3, 4
         logq = random_logq(D, V, rng)
         vals, ids = topk_marginals(logq, V)
-        calibrate = (lambda d, xs: [x * 1.3 - 0.05 * d for x in xs]) if trial % 2 else None  # monotone
+        calibrate = (lambda d, qs: [math.log(max(x, 1e-300)) * 1.3 - 0.05 * d for x in qs]) if trial % 2 else None  # monotone
         rerank = Rerank(vals, ids, _PairPrior(trial), calibrate, width=V)
         score = {(): 0.0}
         for d in range(1, D + 1):  # the conditioned log P of every path, by brute force
@@ -153,8 +149,8 @@ def test_rerank_with_an_identity_prior_builds_the_plain_tree():
     from bastion.expansion import Rerank, best_first_from_topk, topk_marginals
 
     class Identity:
-        def condition(self, prev, last, logq, tokens):
-            return list(logq)
+        def reweight(self, prev, last, q, tokens, mass):
+            return None
 
     rng = random.Random(4)
     for _ in range(10):

@@ -404,3 +404,21 @@ int bastion_attn_f32(const float *q, int64_t qh, int64_t qn, const float *k, int
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * A verified tree's accepted rows moved into place in every KV-cache tensor at once.
+ *
+ * t[i] (n tensors: each layer's keys and values) holds heads x rows x d floats (head stride hs[i],
+ * row stride rs[i]); row src[j] moves to row dst[j] for j = 0..m-1, in that order, for every head. The
+ * engine passes increasing src with dst[j] = prefix + j <= src[j], so a row is read before anything is
+ * written over it. One call instead of two torch ops per tensor (~60 a round on a 30-layer target).
+ */
+void bastion_move_rows(float *const *t, const int64_t *hs, const int64_t *rs, int64_t n, int64_t heads, int64_t d,
+                       const int64_t *src, const int64_t *dst, int64_t m) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *base = t[i] + h * hs[i];
+            for (int64_t j = 0; j < m; j++)
+                if (src[j] != dst[j]) memmove(base + dst[j] * rs[i], base + src[j] * rs[i], (size_t)d * sizeof(float));
+        }
+}

@@ -121,6 +121,8 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_attn_f32.argtypes = [V, I64, I64, V, I64, I64, V, I64, I64, V, I64, V, I64, I64, I64, I64, I64,
                                      ctypes.c_float, I]
     lib.bastion_attn_f32.restype = I
+    lib.bastion_move_rows.argtypes = [V, V, V, I64, I64, I64, V, V, I64]
+    lib.bastion_move_rows.restype = None
     _lib = lib
     if lib.bastion_gemm_panel() != 16:
         _lib, _why = None, "the compiled kernel's panel width is not 16"
@@ -295,3 +297,31 @@ def attention_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if rc != 0:
         raise MemoryError("native attention: no memory for its scratch rows")
     return out
+
+
+def move_rows(tensors: list[torch.Tensor], src: list[int], dst: list[int]) -> bool:
+    """Move rows src[j] → dst[j] (dim 2) in every tensor [1, heads, rows, d] of ``tensors``, in
+    place, in one native call (a KV cache's accepted rows after a tree verification). Returns False,
+    touching nothing, when a tensor is not CPU float32 with unit stride in d, the tensors differ in
+    heads or d, or the library is unavailable: the caller then uses torch. src must increase and
+    dst[j] ≤ src[j] (rows are read before they are overwritten). The checks are a few tuple reads per
+    tensor: this runs once a round over ~60 tensors."""
+    if not tensors or not src or (_lib is None and library() is None):
+        return False
+    if len(dst) != len(src) or any(b > a for a, b in zip(src, dst)) or any(b <= a for a, b in zip(src, src[1:])) \
+            or dst[0] < 0:
+        raise ValueError(f"move_rows wants increasing rows src with 0 <= dst[j] <= src[j]; got {src}, {dst}")
+    heads, d = tensors[0].shape[1], tensors[0].shape[3]
+    ptrs, hs, rs = [], [], []
+    for t in tensors:
+        sh, st = t.shape, t.stride()
+        if t.dtype != torch.float32 or not t.is_cpu or st[3] != 1 or sh[0] != 1 or sh[1] != heads \
+                or sh[3] != d or sh[2] <= src[-1]:
+            return False
+        ptrs.append(t.data_ptr())
+        hs.append(st[1])
+        rs.append(st[2])
+    m, n = len(src), len(tensors)
+    _lib.bastion_move_rows((ctypes.c_void_p * n)(*ptrs), (ctypes.c_int64 * n)(*hs), (ctypes.c_int64 * n)(*rs), n,
+                           heads, d, (ctypes.c_int64 * m)(*src), (ctypes.c_int64 * m)(*dst), m)
+    return True
