@@ -16,6 +16,7 @@ from app.handlers import VIEW_FIELDS, Handlers, execute, parse_settings, start_r
 from app.state import export_run, load_run, run_summary  # noqa: E402
 from app.ui import create_app, launch  # noqa: E402
 from bastion.engine import Engine, GenerationConfig  # noqa: E402
+from bastion.latency import RowPadding  # noqa: E402
 from tiny import tiny_drafter, tiny_target  # noqa: E402
 
 RECORD_KEYS = {"index", "tree", "trace", "accepted", "choices", "tokens", "token_texts", "bonus", "calib",
@@ -150,7 +151,9 @@ def test_replan_on_this_machine_reproduces_bastions_trees():
     for s in range(1, 65):
         latency.observe(s, 20, 1e-3 + 2e-4 * s)
     latency.observe_overheads(1e-3, 1e-3)
-    latency.observe = latency.observe_overheads = lambda *args: None
+    latency.observe = latency.observe_overheads = latency.observe_many = lambda *args: None
+    # and a fixed (identity) row padding: the probe would time this machine and pad by what it saw
+    rt.engine.padding = RowPadding.from_times([1e-3 * m for m in range(1, 17)])
     run = _full_run(rt, max_new_tokens=24, baseline=False)
     checked = 0
     for rec in run["steps"]:

@@ -4,6 +4,7 @@ Three kernels: float32 products over packed weights (:func:`linear`, the target'
 bf16 products for drafters (:func:`linear_bf16`, where the CPU has AVX512-BF16) and the attention of
 a few queries over the KV cache (:func:`attention`). The first and the last compute each row on its
 own, so a tree verification and plain decoding get bit-identical logits (tests/test_cpu_attention.py).
+Plus one helper: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at once.
 
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
