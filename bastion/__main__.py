@@ -31,7 +31,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
     g.add_argument("--no-datastore", action="store_true", help="bastion: no datastore branch in the tree")
     g.add_argument("--no-condition", action="store_true",
-                   help="bastion: give every node of a depth the drafter's marginals (no n-gram re-weighting)")
+                   help="bastion at T = 0: give every node of a depth the drafter's marginals (no n-gram re-weighting)")
     g.add_argument("--no-calibration", action="store_true",
                    help="rank tree candidates by the drafter's raw q instead of the calibrated g(q)")
     g.add_argument("--no-pad-rows", action="store_true",
