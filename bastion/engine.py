@@ -306,12 +306,16 @@ class Engine:
         if cfg.strategy == "chain":
             return chain_from_topk(root, vals, ids, raw)
         rerank = None
-        # greedy only: the datastore holds greedy replies, and at T = 1 the re-weighted trees accepted
-        # a little less (two runs of 6 prompts, τ 1.67 → 1.65 and 1.71 → 1.67; bench/NOTES.md)
-        if cfg.strategy == "bastion" and cfg.condition and self.prior is not None and cfg.temperature == 0:
+        if self._conditions(cfg):
             rerank = Rerank(raw or vals, ids, self.prior, calib.scalar() if cfg.calibrate and calib else None)
         return best_first_from_topk(root, vals, ids, self._rule(cfg), self.cost(cfg, context),
                                     self.latency.round_overhead(), raw, rerank, before_root)
+
+    def _conditions(self, cfg: GenerationConfig) -> bool:
+        """Whether cfg's trees re-weight each node's children by the datastore's n-grams. Greedy only:
+        the datastore holds greedy replies, and at T = 1 the re-weighted trees accepted a little less
+        (two runs of 6 prompts, τ 1.67 → 1.65 and 1.71 → 1.67; bench/NOTES.md)."""
+        return cfg.strategy == "bastion" and cfg.condition and self.prior is not None and cfg.temperature == 0
 
     def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
         """The drafter's draft vocabulary widened by the prompt's tokens (None: full vocabulary).
@@ -387,12 +391,15 @@ class Engine:
     def prepare(self, cfg: GenerationConfig) -> None:
         """One-time work a run needs before its clock starts: a drafting run on an engine that has not
         measured its row costs, or a Bastion run whose latency window cannot tell C(n)'s slope, probes
-        them (:meth:`probe_latency`). ``generate`` calls this itself; a caller that times or snapshots
+        them (:meth:`probe_latency`); a run that re-weights children builds the datastore's count
+        tables. ``generate`` calls this itself; a caller that times or snapshots
         the engine around ``generate`` (the app) calls it first."""
         if cfg.strategy == "ar":
             return
         if (cfg.pad_rows and self.padding is None) or (cfg.strategy == "bastion" and not self.latency.slope_identified()):
             self.probe_latency()
+        if self._conditions(cfg):
+            self.datastore.prepare_successors()
 
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:

@@ -235,20 +235,6 @@ static inline v8 exp_v8(v8 x) {
     return (v8)((vi8)(p * (v8)e) & keep);
 }
 
-/* o[0 : 8 nv] = sum_t p[t] v[idx[t]] with the accumulators in registers (nv a constant) */
-static inline __attribute__((always_inline)) void
-weigh_values(float *o, const float *p, const int64_t *idx, int64_t c, const float *vb, int64_t vl, int nv) {
-    v8 acc[16];
-    for (int u = 0; u < nv; u++) acc[u] = (v8){0};
-    for (int64_t t = 0; t < c; t++) {
-        const float *vr = vb + idx[t] * vl;
-        float pj = p[t];
-        v8 pv = SPLAT8(pj);
-        for (int u = 0; u < nv; u++) acc[u] += pv * *(const v8 *)(vr + 8 * u);
-    }
-    for (int u = 0; u < nv; u++) memcpy(o + 8 * u, &acc[u], sizeof(v8));
-}
-
 /* scores s[p][t] = scale * q_p . k[idx[t]] + mask for NH query heads of one KV head, sharing each
  * key's loads between the heads; per head the same operations in the same order as one head alone
  * (four-key blocks, dot_f32's lane order, then one key at a time) */
@@ -293,7 +279,7 @@ score_heads(float *s, int64_t cap, float *m, const float *const *qr, int NH, con
 }
 
 /* o[p][0 : 8 nv] = sum_t w[p][t] v[idx[t]] for NH heads sharing each value row's loads, four vectors
- * of a row at a time (per output element the same sum, in the same order, as weigh_values) */
+ * of a row at a time (per output element: the sum over t in list order, as for one head alone) */
 static inline __attribute__((always_inline)) void
 weigh_heads(float *o, int64_t ostride, const float *w, int64_t cap, int NH, const int64_t *idx, int64_t c,
             const float *vb, int64_t vl, int nv) {
