@@ -187,6 +187,25 @@ class Target:
         self._captured.clear()
         return feats
 
+    @torch.no_grad()
+    def finish_from(self, hidden: torch.Tensor, layer_id: int, valid: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [b, L, h] of padded sequences whose decoder layer
+        ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L] marks real tokens): the
+        layers after it run causally, so the logits of a training sequence cost only its last few
+        layers when that layer's outputs are stored as features (``train.fit --kd``)."""
+        dec = self.model.get_decoder()
+        b, L, _ = hidden.shape
+        dev = hidden.device
+        h = hidden.to(self.dtype)
+        pos = torch.arange(L, device=dev)[None].expand(b, -1)
+        cos_sin = dec.rotary_emb(h, pos)
+        ok = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None] & valid.to(dev)[:, None, :]
+        mask = torch.zeros(b, 1, L, L, dtype=h.dtype, device=dev).masked_fill(~ok[:, None], torch.finfo(h.dtype).min)
+        for layer in self._decoder_layers()[layer_id + 1:]:
+            out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            h = out[0] if isinstance(out, tuple) else out
+        return dec.norm(h)
+
     @torch.inference_mode()
     def commit(self, prefix_len: int, accepted: list[int]) -> None:
         """Keep cache rows [0, prefix_len) plus the tree rows of the accepted nodes, drop the rest.

@@ -419,20 +419,49 @@ def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype)
 
 
 def train_step(drafter: DFlashDrafter, target: Target, batch: Batch, gamma: float, bf16: bool = False,
-               loss_depths: int | None = None):
+               loss_depths: int | None = None, kd: float = 0.0):
     """Weighted block cross-entropy of one batch; returns (loss, per-depth top-1 accuracy, mean
     accepted chain length under teacher forcing). ``bf16`` runs the matrix products under autocast
     on the batch's device (about 2× faster on CPUs with AVX512-BF16, far more on a GPU); weights and
-    the loss stay in fp32. A batch without features gets them from the target first."""
+    the loss stay in fp32. A batch without features gets them from the target first. ``kd`` α > 0
+    mixes in the target's own distributions (see :func:`_train_step`)."""
     with torch.autocast(batch.valid.device.type, dtype=torch.bfloat16, enabled=bf16):
         if batch.feats is None:
             batch = live_features(target, batch)
-        return _train_step(drafter, target, batch, gamma, loss_depths)
+        return _train_step(drafter, target, batch, gamma, loss_depths, kd)
 
 
-def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, loss_depths: int | None):
+def target_distributions(drafter: DFlashDrafter, target: Target, batch, depths: int) -> torch.Tensor:
+    """The target's next-token log-probabilities over the draft vocabulary (all of it without one)
+    for every label of the batch's blocks: float32 [r, A·D, V_d], depth k's label x_{a+k} drawn from
+    the target's distribution at position a + k − 1.
+
+    The features hold the outputs of the drafter's last feature layer (the last h columns), so only
+    the layers after it run (:meth:`Target.finish_from`): on the embedded target 2 of 30 layers.
+    """
+    feats, valid, _, _, _, anchor_pos, _ = batch
+    h = target.hidden_size
+    # float32 even under the step's bf16 autocast: in bf16 the argmax of these distributions missed
+    # 3% of the greedy labels in the draft vocabulary, in float32 none (self13 shards, 1,000 labels)
+    with torch.no_grad(), torch.autocast(valid.device.type, enabled=False):
+        final = target.finish_from(feats[..., -h:].float(), drafter.cfg.target_layer_ids[-1], valid)
+        r, A = anchor_pos.shape
+        at = (anchor_pos[:, :, None] + torch.arange(depths, device=valid.device)).reshape(r, A * depths)
+        hid = final.gather(1, at.clamp(max=final.shape[1] - 1)[:, :, None].expand(-1, -1, final.shape[-1]))
+        vocab = drafter.draft_vocab
+        logits = target.lm_head(hid) if vocab is None else target.lm_head(hid, vocab)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, loss_depths: int | None,
+                kd: float = 0.0):
     """``loss_depths`` D ≤ B−1 trains only depths 1..D: the LM head over V dominates the cost, and
-    deep depths carry little weight in the acceptance length, so this buys more anchors per second."""
+    deep depths carry little weight in the acceptance length, so this buys more anchors per second.
+
+    Loss per label: (1 − α)·CE(greedy label) + α·CE(p_target), α = ``kd``, where the second term is
+    −Σ_v p(v) log q(v) with p the target's own next-token distribution at that position (over the
+    draft vocabulary, renormalised). The greedy label says only which token won; p also says by how
+    much and what came second — more signal per stored token when data, not steps, is the limit."""
     feats, valid, block_ids, block_pos, labels, anchor_pos, _ = batch
     dev = valid.device
     B = block_ids.shape[1] // anchor_pos.shape[1]  # the batch's block length (≤ the drafter's, see fit)
@@ -459,6 +488,11 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
     trained = col != -100
     w = torch.exp(-torch.arange(D, dtype=torch.float32, device=dev) / gamma)
     loss = (ce * trained * w).sum() / (trained * w).sum().clamp(min=1e-9)
+    if kd > 0:
+        logp = target_distributions(drafter, target, batch, D).view(r, A, D, -1)
+        soft = -(logp.exp() * torch.log_softmax(logits.view(r, A, D, -1), dim=-1)).sum(-1)
+        soft_loss = (soft * ok * w).sum() / (ok * w).sum().clamp(min=1e-9)
+        loss = (1.0 - kd) * loss + kd * soft_loss
     with torch.no_grad():
         hit = (logits.argmax(-1).view(r, A, D) == col) & trained
         acc = (hit.sum((0, 1)) / ok.sum((0, 1)).clamp(min=1)).tolist()
@@ -471,8 +505,11 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         layers: int | None, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
         init: Path | None = None, draft_vocab: int | None = None, live: bool = False,
-        blocks: list[int] | None = None) -> None:
+        blocks: list[int] | None = None, kd: float = 0.0) -> None:
     """Train (or resume) a drafter on the data folders; runs on the target's device.
+
+    ``kd``: weight α of the target's own distributions in the loss (:func:`_train_step`); they are
+    computed per batch from the stored features by the target's layers after the last feature layer.
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
@@ -565,7 +602,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         # (and resume bit for bit from checkpoints written before the option existed)
         b = drafter.block_size if blocks == [drafter.block_size] else rng.choice(blocks)
         batch = make_batch(records, rows, anchors, b, mask_token_id, rng).to(device)
-        loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths)
+        loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths, kd)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -630,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
     f.add_argument("--live-features", action="store_true",
                    help="run the target on every batch for its features instead of reading them from the shards")
+    f.add_argument("--kd", type=float, default=0.0,
+                   help="weight in [0, 1] of the target's own next-token distributions in the loss (the rest: "
+                        "its greedy label); they cost the target's layers after the last feature layer per batch")
     r = sub.add_parser("replay", help="feature shards for replies kept in a datastore (when their shards are gone)")
     r.add_argument("--datastore", type=Path, required=True, help="a folder holding datastore.safetensors")
     r.add_argument("--out", type=Path, required=True)
@@ -654,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
         if min(blocks) < 2 or (a.init is None and max(blocks) > a.block):
             ap.error(f"--blocks {a.blocks!r}: block lengths must lie in [2, --block = {a.block}]")
+    if a.cmd == "fit" and not 0.0 <= a.kd <= 1.0:
+        ap.error(f"--kd {a.kd}: give a weight in [0, 1]")
     if a.cmd == "fit" and a.layers is not None and a.layers < 1:
         ap.error(f"--layers {a.layers}: give a positive layer count")
     if a.cmd == "plot":
@@ -690,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
-            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks)
+            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd)
     return 0
 
 

@@ -8,6 +8,7 @@ import torch
 
 from bastion.corpus import build_corpus
 from bastion.loading import EVAL_PROMPTS
+from tiny import tiny_drafter, tiny_target
 
 
 def _eval_prompts() -> set[str]:
@@ -289,3 +290,68 @@ def test_replay_restores_feature_shards_from_a_datastore(tmp_path, capsys):
     capsys.readouterr()
     assert main(["replay", "--datastore", str(tmp_path), "--out", str(out)] + common) == 2
     assert "no datastore" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_finish_from_a_feature_layer_equals_the_full_forward(family):
+    """The layers after a feature layer, run on its stored outputs, give the model's own final
+    hidden states on every real token of a padded batch (what --kd's target distributions need)."""
+    target = tiny_target(family, dtype=torch.float64, layers=5)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (3, 11), generator=gen)
+    valid = torch.ones(3, 11, dtype=torch.bool)
+    valid[1, 7:] = False  # padding after the end, as make_batch pads
+    valid[2, 4:] = False
+    with torch.no_grad():
+        out = target.model.get_decoder()(input_ids=ids, attention_mask=valid.long(), output_hidden_states=True)
+    for layer in (0, 2, 3):
+        got = target.finish_from(out.hidden_states[layer + 1], layer, valid)
+        assert torch.allclose(got[valid], out.last_hidden_state[valid], atol=1e-10), (family, layer)
+
+
+def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
+    """target_distributions gives, for each label of a block, the target's next-token distribution
+    at the position before it (its argmax is the greedy label); a --kd step back-propagates it."""
+    from bastion.train import Batch, _train_step, target_distributions
+
+    target = tiny_target("llama", dtype=torch.float64, layers=4)
+    drafter = tiny_drafter(target, block_size=4).train()
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    prompt = torch.tensor([[3, 5, 7]])
+    with torch.no_grad():
+        seq = target.model.generate(prompt, max_new_tokens=12, do_sample=False)  # greedy: labels = argmax
+    ids = torch.cat([seq, seq])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    feats = target.batch_features(ids, valid.long()).clone()
+    anchors = torch.tensor([[2, 5], [4, 8]])
+    B, mask_id = 4, target.vocab_size - 1
+    block_pos = (anchors[:, :, None] + torch.arange(B)).reshape(2, -1)
+    block_ids = torch.full((2, 2, B), mask_id)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    labels = ids.gather(1, (anchors[:, :, None] + 1 + torch.arange(B - 1)).reshape(2, -1))
+    batch = Batch(feats, valid, block_ids.reshape(2, -1), block_pos, labels, anchors, ids)
+    logp = target_distributions(drafter, target, batch, B - 1)
+    assert logp.shape == (2, 2 * (B - 1), target.vocab_size)
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(2, 2 * (B - 1), dtype=logp.dtype))
+    assert torch.equal(logp.argmax(-1), labels)
+    with torch.no_grad():  # and each row is the full model's distribution at that position
+        full = torch.log_softmax(target.model(ids).logits, -1)
+    at = (anchors[:, :, None] + torch.arange(B - 1)).reshape(2, -1)
+    assert torch.allclose(logp, full.gather(1, at[:, :, None].expand(-1, -1, full.shape[-1])).float(), atol=1e-5)
+    opt = torch.optim.SGD(drafter.parameters(), lr=0.5)
+    losses = []
+    for _ in range(25):
+        loss, _, _ = _train_step(drafter, target, batch, 5.0, None, kd=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses  # the soft term alone trains the drafter
+
+
+def test_fit_rejects_a_kd_weight_outside_0_1(capsys):
+    from bastion.train import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "x", "--ckpt", "y", "--kd", "1.5"])
+    assert "--kd 1.5" in capsys.readouterr().err
