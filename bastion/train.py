@@ -609,7 +609,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         opt.step()
         step += 1
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
-                    "chain_len": round(run, 3), "time": round(time.time() - t0, 1)})
+                    "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
+                   | ({"kd": kd} if kd else {}))  # a distilled loss is on another scale: say so
         _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
         if step % ckpt_every == 0 and _count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far

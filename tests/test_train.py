@@ -292,7 +292,7 @@ def test_gpu_train_script_dry_run_on_the_cpu(tmp_path):
     assert "fit exit 0" in run.stdout, run.stdout + (work / "fit.err").read_text()[-2000:]
     assert str(work / "ids" / "self_a") in run.stdout  # the ids-only folder was found (and given twice)
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
-    assert log and all(x["loss"] > 0 for x in log)
+    assert log and all(x["loss"] > 0 and x["kd"] == 0.5 for x in log)
     parts = sorted(out.glob("drafter.safetensors.part-*"))
     assert parts and (out / "drafter.config.json").is_file()
     joined = tmp_path / "joined"
