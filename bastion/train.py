@@ -510,6 +510,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
 
     ``kd``: weight α of the target's own distributions in the loss (:func:`_train_step`); they are
     computed per batch from the stored features by the target's layers after the last feature layer.
+    (On the embedded target it tied plain training held out: the model card's runs 16–18.)
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
