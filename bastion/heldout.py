@@ -1,7 +1,8 @@
 """Teacher-forced evaluation of a drafter on the held-out eval prompts (no timing, no tree search).
 
 ``python -m bastion.heldout [--drafter DIR]`` generates (once, cached) the target's greedy
-continuation of every prompt of assets/eval_prompts.json, then, at every position a of every
+continuation of every prompt of assets/eval_prompts.json (or ``--prompts``: assets/dev_prompts.json is
+a three times larger suite for comparing drafters), then, at every position a of every
 reply, drafts the block [token_a, MASK × (B−1)] from the target's features before a — exactly the
 context a decoding round has — and compares with the reply:
 
@@ -31,26 +32,48 @@ from .lookup import CopySources, NgramIndex
 from .target import Target
 
 
+def load_prompt_suite(path: Path) -> list[tuple[str, str]]:
+    """[(category, prompt)] of a JSON suite {category: [prompt, ...]} (keys whose value is not a list,
+    such as "_about", are notes); a clear error for a missing file or another shape."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the prompt suite {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object {{category: [prompt, ...]}}")
+    items = [(c, p) for c, ps in data.items() if isinstance(ps, list) for p in ps]
+    if not items or not all(isinstance(p, str) and p.strip() for _, p in items):
+        raise ValueError(f"{path}: expected non-empty lists of prompt strings under category keys")
+    return items
+
+
 def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_new_tokens: int = 128,
                  prompts_file: Path = EVAL_PROMPTS) -> list[dict]:
-    """[{category, ids, prompt_len, feats}] for every eval prompt; read from ``cache`` when it matches."""
-    data = json.loads(Path(prompts_file).read_text())
-    items = [(c, p) for c, ps in data.items() if isinstance(ps, list) for p in ps]
+    """[{category, ids, prompt_len, feats}] for every eval prompt; read from ``cache`` when it matches.
+    A cache of the same replies made for other feature layers keeps its replies (the generation is
+    the slow part) and only recomputes the features."""
+    items = load_prompt_suite(prompts_file)
     key = {"prompts": items, "layer_ids": list(layer_ids), "max_new_tokens": max_new_tokens}
-    if cache is not None and cache.is_file():
-        stored = torch.load(cache, weights_only=False)
-        if stored.get("key") == key:
-            return stored["records"]
+    stored = torch.load(cache, weights_only=False) if cache is not None and cache.is_file() else {}
+    if stored.get("key") == key:
+        return stored["records"]
     target.set_feature_layers(list(layer_ids))
+    same_replies = {k: v for k, v in stored.get("key", {}).items() if k != "layer_ids"} == \
+        {k: v for k, v in key.items() if k != "layer_ids"}
     records, t0 = [], time.time()
     for i, (cat, prompt) in enumerate(items):
-        enc = encode_prompt(target.tokenizer, prompt)
-        out = target.model.generate(input_ids=torch.tensor([enc]), attention_mask=torch.ones(1, len(enc), dtype=torch.long),
-                                    max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=target.tokenizer.pad_token_id or 0)[0].tolist()
+        if same_replies:
+            out, n_prompt = stored["records"][i]["ids"], stored["records"][i]["prompt_len"]
+        else:
+            enc = encode_prompt(target.tokenizer, prompt)
+            out = target.model.generate(input_ids=torch.tensor([enc]), attention_mask=torch.ones(1, len(enc), dtype=torch.long),
+                                        max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=target.tokenizer.pad_token_id or 0)[0].tolist()
+            n_prompt = len(enc)
         feats = target.batch_features(torch.tensor([out]), torch.ones(1, len(out), dtype=torch.long))
-        records.append({"category": cat, "ids": out, "prompt_len": len(enc), "feats": feats[0].to(torch.float16)})
-        print(f"\r  continuations {i + 1}/{len(items)} ({time.time() - t0:.0f} s)", end="", file=sys.stderr)
+        records.append({"category": cat, "ids": out, "prompt_len": n_prompt, "feats": feats[0].to(torch.float16)})
+        print(f"\r  {'features' if same_replies else 'continuations'} {i + 1}/{len(items)} ({time.time() - t0:.0f} s)",
+              end="", file=sys.stderr)
     print(file=sys.stderr)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -176,14 +199,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bastion.heldout", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=EMBEDDED)
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "bastion" / "heldout.pt",
-                    help="where the target's continuations are kept between runs")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="where the target's continuations are kept between runs (default ~/.cache/bastion/"
+                         "heldout.pt, heldout-NAME.pt for another suite NAME.json)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--block", type=int, default=None,
                     help="draft blocks of this many tokens (the engine drafts depth + 1; default the drafter's "
                          "block size)")
+    ap.add_argument("--prompts", type=Path, default=EVAL_PROMPTS,
+                    help="JSON {category: [prompt, ...]} (default the evaluation suite; assets/dev_prompts.json "
+                         "holds 90 more)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    try:  # a bad suite is refused before the target loads
+        load_prompt_suite(a.prompts)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if a.cache is None:
+        name = "heldout.pt" if a.prompts.resolve() == EVAL_PROMPTS.resolve() else f"heldout-{a.prompts.stem}.pt"
+        a.cache = Path.home() / ".cache" / "bastion" / name
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(a.model, torch.float32, "cpu")
@@ -198,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = drafter.float().eval()
     if a.block is not None and not 2 <= a.block <= drafter.block_size:
         ap.error(f"--block must be in [2, {drafter.block_size}]")
-    records = eval_records(target, drafter.cfg.target_layer_ids, a.cache)
+    records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
     res = evaluate(drafter, target, records, datastore=datastore, block=a.block)
     if a.json:
         print(json.dumps(res))

@@ -14,6 +14,8 @@ EMBEDDED = "embedded"
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_DRAFTER = ASSETS / "drafter-smollm2-135m"
 EVAL_PROMPTS = ASSETS / "eval_prompts.json"
+# a second hand-written suite, three times larger, for comparing drafters (never trained on either)
+DEV_PROMPTS = ASSETS / "dev_prompts.json"
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}

@@ -188,11 +188,14 @@ class Target:
         return feats
 
     @torch.no_grad()
-    def finish_from(self, hidden: torch.Tensor, layer_id: int, valid: torch.Tensor) -> torch.Tensor:
-        """The final normed hidden states [b, L, h] of padded sequences whose decoder layer
-        ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L] marks real tokens): the
-        layers after it run causally, so the logits of a training sequence cost only its last few
-        layers when that layer's outputs are stored as features (``train.fit --kd``)."""
+    def layers_from(self, hidden: torch.Tensor, layer_id: int, valid: torch.Tensor,
+                    outputs: list[int]) -> list[torch.Tensor]:
+        """The outputs [b, L, h] of decoder layers ``outputs`` (ids after ``layer_id``, ascending) for
+        padded sequences whose layer ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L]
+        marks real tokens): only the layers after it run, causally — what a feature stored once for
+        ``layer_id`` costs to carry further (``train.fit --kd``, ``--add-feature-layers``)."""
+        if sorted(set(outputs)) != list(outputs) or not outputs or not layer_id < outputs[0] or outputs[-1] >= self.num_layers:
+            raise ValueError(f"layer ids {outputs} must ascend, follow layer {layer_id} and lie below {self.num_layers}")
         dec = self.model.get_decoder()
         b, L, _ = hidden.shape
         dev = hidden.device
@@ -201,10 +204,23 @@ class Target:
         cos_sin = dec.rotary_emb(h, pos)
         ok = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None] & valid.to(dev)[:, None, :]
         mask = torch.zeros(b, 1, L, L, dtype=h.dtype, device=dev).masked_fill(~ok[:, None], torch.finfo(h.dtype).min)
-        for layer in self._decoder_layers()[layer_id + 1:]:
-            out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        got = []
+        for i in range(layer_id + 1, outputs[-1] + 1):
+            out = self._decoder_layers()[i](h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             h = out[0] if isinstance(out, tuple) else out
-        return dec.norm(h)
+            if i in outputs:
+                got.append(h)
+        return got
+
+    @torch.no_grad()
+    def finish_from(self, hidden: torch.Tensor, layer_id: int, valid: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [b, L, h] of padded sequences whose decoder layer
+        ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L] marks real tokens): the
+        layers after it run causally (:meth:`layers_from`), so the logits of a training sequence cost
+        only its last few layers when that layer's outputs are stored as features (``train.fit --kd``)."""
+        last = self.num_layers - 1
+        h = hidden.to(self.dtype) if layer_id == last else self.layers_from(hidden, layer_id, valid, [last])[0]
+        return self.model.get_decoder().norm(h)
 
     @torch.inference_mode()
     def commit(self, prefix_len: int, accepted: list[int]) -> None:

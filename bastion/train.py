@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
 from .drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter, spread_layer_ids
-from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
+from .loading import DEV_PROMPTS, EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
 from .target import Target
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
@@ -44,8 +44,12 @@ MASK_TOKEN_SMOLLM2 = 16  # <empty_output>: a special token that never appears in
 
 
 def _eval_prompt_set() -> set[str]:
-    data = json.loads(EVAL_PROMPTS.read_text())
-    return {p for v in data.values() if isinstance(v, list) for p in v}
+    """The prompts no training corpus may contain: the evaluation suite and the development suite."""
+    out = set()
+    for path in (EVAL_PROMPTS, DEV_PROMPTS):
+        data = json.loads(path.read_text())
+        out |= {p for v in data.values() if isinstance(v, list) for p in v}
+    return out
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -334,6 +338,43 @@ def grow_drafter(drafter: DFlashDrafter, target: Target, layers: int) -> DFlashD
     return grown.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
 
 
+def widen_features(drafter: DFlashDrafter, extra: list[int]) -> DFlashDrafter:
+    """``drafter`` reading the target layers ``extra`` as well (appended to ``target_layer_ids``),
+    computing exactly what it computed before: ``fc`` [h, k·h] gains zero columns for the new
+    features, so they add nothing until training moves them (their gradients are not zero)."""
+    ids = list(drafter.cfg.target_layer_ids)
+    if not extra or sorted(set(extra)) != list(extra) or extra[0] <= ids[-1] or extra[-1] >= drafter.cfg.num_target_layers:
+        raise ValueError(f"--add-feature-layers {extra}: give ascending layer ids after the drafter's last "
+                         f"feature layer {ids[-1]} and below the target's {drafter.cfg.num_target_layers} layers")
+    wide = DFlashDrafter(replace(drafter.cfg, target_layer_ids=ids + list(extra)))
+    wide.set_draft_vocab(drafter.draft_vocab.cpu() if drafter.draft_vocab is not None else None)
+    state = drafter.state_dict()
+    w = state.pop("fc.weight")
+    missing, unexpected = wide.load_state_dict(state, strict=False)
+    assert missing == ["fc.weight"] and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        wide.fc.weight.zero_()
+        wide.fc.weight[:, :w.shape[1]] = w
+    return wide.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+
+
+def extend_features(target: Target, feats: torch.Tensor, stored: list[int], wanted: list[int],
+                    valid: torch.Tensor) -> torch.Tensor:
+    """Features [r, L, len(wanted)·h] from stored ones [r, L, len(stored)·h] when ``wanted`` is
+    ``stored`` followed by later layers: those are computed from the last stored layer's outputs by
+    the target's layers in between (:meth:`Target.layers_from`, float32, no gradient)."""
+    extra = wanted[len(stored):]
+    if wanted[:len(stored)] != stored:
+        raise ValueError(f"the drafter reads target layers {wanted}; the data holds {stored}, not a prefix of them")
+    if not extra:
+        return feats
+    h = target.hidden_size
+    dt = torch.promote_types(feats.dtype, torch.float32)  # at least float32 (shards keep float16)
+    with torch.no_grad(), torch.autocast(valid.device.type, enabled=False):
+        outs = target.layers_from(feats[..., -h:].to(dt), stored[-1], valid, extra)
+    return torch.cat([feats.to(dt), *[o.to(dt) for o in outs]], dim=-1)
+
+
 def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: set[int] = frozenset()) -> torch.Tensor:
     """The ``size`` target ids a drafter may propose: ``always`` (e.g. stop tokens), then the most frequent
     tokens of the training sequences (responses counted twice: they are what gets drafted), then the
@@ -505,8 +546,12 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         layers: int | None, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
         init: Path | None = None, draft_vocab: int | None = None, live: bool = False,
-        blocks: list[int] | None = None, kd: float = 0.0) -> None:
+        blocks: list[int] | None = None, kd: float = 0.0, add_feature_layers: list[int] | None = None) -> None:
     """Train (or resume) a drafter on the data folders; runs on the target's device.
+
+    ``add_feature_layers``: target layers the drafter reads beyond the data's (later ones only, e.g.
+    the last layer); stored features are carried to them per batch by the target's layers in between
+    (:func:`extend_features`). With ``init`` the loaded drafter is widened (:func:`widen_features`).
 
     ``kd``: weight α of the target's own distributions in the loss (:func:`_train_step`); they are
     computed per batch from the stored features by the target's layers after the last feature layer.
@@ -538,8 +583,6 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         if no_feats:
             raise ValueError(f"{', '.join(no_feats)} hold token ids only (data --no-features): "
                              "train with --live-features")
-    else:
-        target.set_feature_layers(meta["layer_ids"])
     records = load_shards(data, ids_only=live)
     n_shards = _count_shards(data)
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
@@ -549,12 +592,19 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     state_path = ckpt / "state.pt"
     if init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
         drafter = load_drafter(init, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
-        if drafter.cfg.target_layer_ids != meta["layer_ids"]:
-            raise ValueError(f"--init drafter uses target layers {drafter.cfg.target_layer_ids}, "
-                             f"the data has {meta['layer_ids']}")
+        if add_feature_layers:
+            drafter = widen_features(drafter, list(add_feature_layers))
         drafter = grow_drafter(drafter, target, layers or drafter.cfg.num_hidden_layers)
     else:
-        drafter = new_drafter(target, layers or 2, meta["layer_ids"], block, mask_token_id)
+        drafter = new_drafter(target, layers or 2, meta["layer_ids"] + list(add_feature_layers or []),
+                              block, mask_token_id)
+    stored_ids, feature_ids = list(meta["layer_ids"]), list(drafter.cfg.target_layer_ids)
+    if feature_ids[:len(stored_ids)] != stored_ids or any(i <= stored_ids[-1] for i in feature_ids[len(stored_ids):]) \
+            or feature_ids[-1] >= target.num_layers:
+        raise ValueError(f"the drafter reads target layers {feature_ids}, the data holds {stored_ids}: "
+                         "a drafter may only add later layers to the data's (--add-feature-layers)")
+    if live:  # the target's hooks give every layer the drafter reads
+        target.set_feature_layers(feature_ids)
     blocks = list(blocks or [drafter.block_size])
     bad = [b for b in blocks if not 2 <= b <= drafter.block_size]
     if bad:
@@ -582,6 +632,10 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         if saved != drafter.cfg.num_hidden_layers:
             raise ValueError(f"{state_path} holds a {saved}-layer drafter, this run builds "
                              f"{drafter.cfg.num_hidden_layers}: resume with the --layers it was started with")
+        if st["drafter"]["fc.weight"].shape != drafter.fc.weight.shape:
+            raise ValueError(f"{state_path} holds a drafter reading {st['drafter']['fc.weight'].shape[1] // target.hidden_size} "
+                             f"target layers, this run builds one reading {feature_ids}: resume with the "
+                             "--add-feature-layers it was started with")
         drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
         drafter.load_state_dict(st["drafter"])
         opt.load_state_dict(st["opt"])
@@ -603,6 +657,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         # (and resume bit for bit from checkpoints written before the option existed)
         b = drafter.block_size if blocks == [drafter.block_size] else rng.choice(blocks)
         batch = make_batch(records, rows, anchors, b, mask_token_id, rng).to(device)
+        if not live and feature_ids != stored_ids:
+            batch = batch._replace(feats=extend_features(target, batch.feats, stored_ids, feature_ids, batch.valid))
         loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths, kd)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -672,6 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--kd", type=float, default=0.0,
                    help="weight in [0, 1] of the target's own next-token distributions in the loss (the rest: "
                         "its greedy label); they cost the target's layers after the last feature layer per batch")
+    f.add_argument("--add-feature-layers", default=None,
+                   help="comma-separated target layers to read beyond the data's feature layers (later ones, e.g. "
+                        "the last); computed per batch from the last stored layer. With --init the drafter's fc "
+                        "gains zero columns for them, so training starts from the same drafter")
     r = sub.add_parser("replay", help="feature shards for replies kept in a datastore (when their shards are gone)")
     r.add_argument("--datastore", type=Path, required=True, help="a folder holding datastore.safetensors")
     r.add_argument("--out", type=Path, required=True)
@@ -696,6 +756,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
         if min(blocks) < 2 or (a.init is None and max(blocks) > a.block):
             ap.error(f"--blocks {a.blocks!r}: block lengths must lie in [2, --block = {a.block}]")
+    add_layers = None
+    if a.cmd == "fit" and a.add_feature_layers:
+        try:
+            add_layers = [int(x) for x in a.add_feature_layers.split(",")]
+        except ValueError:
+            ap.error(f"--add-feature-layers {a.add_feature_layers!r}: give comma-separated layer ids")
     if a.cmd == "fit" and not 0.0 <= a.kd <= 1.0:
         ap.error(f"--kd {a.kd}: give a weight in [0, 1]")
     if a.cmd == "fit" and a.layers is not None and a.layers < 1:
@@ -734,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
-            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd)
+            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd,
+            add_feature_layers=add_layers)
     return 0
 
 

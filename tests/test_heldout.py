@@ -84,3 +84,40 @@ def test_a_shorter_block_scores_what_the_engine_drafts_at_that_depth():
     assert len(res["all"]["acc"]) == 3
     with pytest.raises(ValueError, match="block"):
         chain_lengths(drafter, target, rec, block=7)
+
+
+def test_prompt_suites_are_checked_and_cached_replies_survive_other_feature_layers(tmp_path, monkeypatch, capsys):
+    """A bad --prompts file is refused before the target loads; a cache of replies made for other
+    feature layers keeps the replies (no generation) and recomputes the features, equal to fresh ones."""
+    import json
+
+    from bastion.heldout import eval_records, load_prompt_suite, main
+    from bastion.loading import DEV_PROMPTS, load_target
+
+    assert len(load_prompt_suite(DEV_PROMPTS)) == 90
+    bad = tmp_path / "bad.json"
+    for text, msg in [("[1, 2]", "expected a JSON object"), ('{"chat": [""]}', "non-empty lists"), ("{", "cannot read")]:
+        bad.write_text(text)
+        with pytest.raises(SystemExit):
+            main(["--prompts", str(bad)])
+        assert msg in capsys.readouterr().err
+    suite = tmp_path / "two.json"
+    suite.write_text(json.dumps({"_about": "test", "math": ["What is 2 + 3?"], "chat": ["Say hello."]}))
+    target = load_target("embedded", torch.float32, "cpu")
+    cache = tmp_path / "cache.pt"
+    first = eval_records(target, [1, 10], cache, max_new_tokens=4, prompts_file=suite)
+    assert [r["category"] for r in first] == ["math", "chat"] and all(len(r["ids"]) > r["prompt_len"] for r in first)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the cached replies should have been reused")
+
+    monkeypatch.setattr(target.model, "generate", no_generation)
+    again = eval_records(target, [1, 10, 29], cache, max_new_tokens=4, prompts_file=suite)
+    target.set_feature_layers([1, 10, 29])
+    for a, b in zip(first, again):
+        assert a["ids"] == b["ids"] and b["feats"].shape[-1] == 3 * target.hidden_size
+        fresh = target.batch_features(torch.tensor([b["ids"]]), torch.ones(1, len(b["ids"]), dtype=torch.long))[0]
+        assert torch.equal(b["feats"], fresh.to(torch.float16))
+        assert torch.equal(b["feats"][:, :2 * target.hidden_size], a["feats"])
+    assert eval_records(target, [1, 10, 29], cache, max_new_tokens=4, prompts_file=suite)[0]["feats"].shape == \
+        again[0]["feats"].shape  # read back from the cache now

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bastion.corpus import build_corpus
-from bastion.loading import EVAL_PROMPTS
+from bastion.loading import DEV_PROMPTS, EVAL_PROMPTS
 from tiny import tiny_drafter, tiny_target
 
 
@@ -16,12 +16,33 @@ def _eval_prompts() -> set[str]:
     return {p for v in data.values() if isinstance(v, list) for p in v}
 
 
+def _dev_prompts() -> set[str]:
+    data = json.loads(DEV_PROMPTS.read_text())
+    return {p for v in data.values() if isinstance(v, list) for p in v}
+
+
+def test_dev_suite_is_larger_disjoint_and_excluded_from_training():
+    """assets/dev_prompts.json: three categories of 30 distinct prompts, none an evaluation prompt or a
+    few-shot example, and every corpus builder is told to leave them out."""
+    from bastion.corpus import SEED_REQUESTS
+    from bastion.train import _eval_prompt_set
+
+    data = json.loads(DEV_PROMPTS.read_text())
+    cats = {k: v for k, v in data.items() if isinstance(v, list)}
+    assert set(cats) == {"chat", "code", "math"} and all(len(v) == len(set(v)) == 30 for v in cats.values())
+    dev = _dev_prompts()
+    assert len(dev) == 90 and not dev & _eval_prompts()
+    assert not dev & {q for qs in SEED_REQUESTS.values() for q in qs}
+    assert dev | _eval_prompts() <= _eval_prompt_set()
+
+
 @pytest.mark.parametrize("corpus", ["base", "broad"])
 def test_corpus_is_deterministic_prefix_stable_and_disjoint_from_eval(corpus):
-    big = build_corpus(3000, seed=0, exclude=_eval_prompts(), corpus=corpus)
+    held_out = _eval_prompts() | _dev_prompts()
+    big = build_corpus(3000, seed=0, exclude=held_out, corpus=corpus)
     assert len(big) == len(set(big)) == 3000
-    assert build_corpus(500, seed=0, exclude=_eval_prompts(), corpus=corpus) == big[:500]  # more data extends
-    assert not set(big) & _eval_prompts()
+    assert build_corpus(500, seed=0, exclude=held_out, corpus=corpus) == big[:500]  # more data extends
+    assert not set(big) & held_out
     assert build_corpus(300, seed=1, corpus=corpus) != big[:300]
 
 
@@ -392,3 +413,94 @@ def test_fit_rejects_a_kd_weight_outside_0_1(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--data", "x", "--ckpt", "y", "--kd", "1.5"])
     assert "--kd 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_layers_from_a_feature_layer_give_the_models_own_outputs(family):
+    """Target.layers_from carries a stored layer's outputs to later layers exactly as the full
+    forward computes them (padded batch), and refuses layer ids it cannot give."""
+    target = tiny_target(family, dtype=torch.float64, layers=5)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, target.vocab_size, (2, 9), generator=gen)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 5:] = False
+    target.set_feature_layers([1, 2, 3, 4])  # the hooks see each layer's raw output (the last one unnormed)
+    with torch.no_grad():
+        target.model.get_decoder()(input_ids=ids, attention_mask=valid.long())
+    want = {i: target._captured[i] for i in (1, 2, 3, 4)}
+    target._captured.clear()
+    got = target.layers_from(want[1], 1, valid, [2, 4])
+    assert len(got) == 2
+    for g, i in zip(got, (2, 4)):
+        assert torch.allclose(g[valid], want[i][valid], atol=1e-10), (family, i)
+    for bad in ([1], [3, 2], [5], []):
+        with pytest.raises(ValueError, match="must ascend"):
+            target.layers_from(want[1], 1, valid, bad)
+
+
+def test_a_widened_drafter_drafts_as_before_and_reads_the_new_layer():
+    """widen_features appends a later target layer to the drafter's features with zero fc columns:
+    the same context keys/values whatever that layer holds; extend_features computes it from the
+    stored features as the target's hooks capture it; the engine runs such a drafter losslessly."""
+    from bastion.engine import Engine, GenerationConfig
+    from bastion.train import extend_features, widen_features
+
+    target = tiny_target("llama", dtype=torch.float64, layers=4)
+    drafter = tiny_drafter(target, block_size=4)
+    stored = list(drafter.cfg.target_layer_ids)
+    assert stored[-1] < 3
+    wide = widen_features(drafter, [3])
+    assert wide.cfg.target_layer_ids == stored + [3] and wide.fc.weight.shape[1] == 3 * target.hidden_size
+    ids = torch.randint(0, target.vocab_size - 1, (2, 10), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    target.set_feature_layers(stored + [3])
+    full = target.batch_features(ids, valid.long())
+    h = target.hidden_size
+    extended = extend_features(target, full[..., :len(stored) * h], stored, stored + [3], valid)
+    assert torch.allclose(extended, full, atol=1e-10)
+    pos = torch.arange(10)[None].expand(2, -1)
+    with torch.no_grad():
+        before = drafter.context_kv(full[..., :len(stored) * h], pos)
+        after = wide.context_kv(torch.cat([full[..., :len(stored) * h], torch.randn(2, 10, h, dtype=full.dtype)], -1), pos)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    with pytest.raises(ValueError, match="ascending layer ids after"):
+        widen_features(drafter, [stored[-1]])
+    with pytest.raises(ValueError, match="ascending layer ids after"):
+        widen_features(drafter, [4])
+    with pytest.raises(ValueError, match="not a prefix"):
+        extend_features(target, full, [0, 3], [1, 3], valid)
+    with torch.no_grad():  # a drafter reading the last layer, in the engine: greedy output equals AR's
+        wide.fc.weight.normal_(0, 0.1)
+    engine = Engine(target, wide, kernels="torch", stop_ids=set())
+    prompt = [5, 9, 13, 2]
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=16)).token_ids
+    for strategy in ("chain", "fixed", "bastion"):
+        assert engine.run(prompt, GenerationConfig(strategy=strategy, max_new_tokens=16)).token_ids == ref, strategy
+
+
+def test_fit_adds_a_feature_layer_to_an_init_drafter(tmp_path, capsys):
+    """fit --init D --add-feature-layers 29 trains the shipped drafter reading the target's last layer
+    as well (its features computed per batch from the stored layer 27) and exports a loadable folder;
+    resuming without the option, or an id that is not later than the data's, is refused."""
+    from bastion.drafter import load_drafter
+    from bastion.train import main
+
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"]
+                + common) == 0
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m"
+    fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
+           "--ckpt-every", "2", "--steps", "2", "--init", str(shipped), "--export", str(tmp_path / "drafter")] + common
+    with pytest.raises(SystemExit):
+        main(fit + ["--add-feature-layers", "29,x"])
+    assert "comma-separated layer ids" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ascending layer ids after"):
+        main(fit + ["--add-feature-layers", "18"])
+    assert main(fit + ["--add-feature-layers", "29"]) == 0
+    wide = load_drafter(tmp_path / "drafter", 576, 49152, 30)
+    assert wide.cfg.target_layer_ids == [1, 10, 18, 27, 29] and wide.fc.weight.shape[1] == 5 * 576
+    assert wide.fc.weight[:, 4 * 576:].abs().max() > 0  # the new columns trained
+    with pytest.raises(ValueError, match="resume with the --add-feature-layers"):
+        main(fit + ["--steps", "4"])
