@@ -228,6 +228,20 @@ def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
     assert load_drafter(tmp_path / "drafter", 576, 49152, 30).block_size == 16
 
 
+def _two_step_fit_from_the_shipped_drafter(tmp_path) -> list[str]:
+    """Writes 2 short sequences of the embedded target to tmp_path/data; returns `fit` arguments for a
+    2-step run from the shipped drafter into tmp_path/ckpt, exporting to tmp_path/drafter."""
+    from bastion.train import main
+
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"]
+                + common) == 0
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m"
+    return ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
+            "--ckpt-every", "2", "--steps", "2", "--init", str(shipped), "--export", str(tmp_path / "drafter")] + common
+
+
 def test_fit_grows_an_init_drafter_and_resumes_only_at_its_size(tmp_path, capsys):
     """fit --init D --layers 3 trains a 3-layer drafter from the shipped 2-layer one and exports it;
     resuming that checkpoint without --layers is refused with the reason, as is --layers 0."""
@@ -237,13 +251,7 @@ def test_fit_grows_an_init_drafter_and_resumes_only_at_its_size(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["fit", "--data", "x", "--ckpt", "y", "--layers", "0"])
     assert "positive layer count" in capsys.readouterr().err
-    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
-    common = ["--threads", "1"]
-    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"]
-                + common) == 0
-    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m"
-    fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
-           "--ckpt-every", "2", "--steps", "2", "--init", str(shipped), "--export", str(tmp_path / "drafter")] + common
+    fit = _two_step_fit_from_the_shipped_drafter(tmp_path)
     assert main(fit + ["--layers", "3"]) == 0
     grown = load_drafter(tmp_path / "drafter", 576, 49152, 30)
     assert grown.cfg.num_hidden_layers == 3 and grown.cfg.draft_vocab_size == 8192
@@ -486,13 +494,7 @@ def test_fit_adds_a_feature_layer_to_an_init_drafter(tmp_path, capsys):
     from bastion.drafter import load_drafter
     from bastion.train import main
 
-    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
-    common = ["--threads", "1"]
-    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"]
-                + common) == 0
-    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m"
-    fit = ["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2", "--loss-depths", "3",
-           "--ckpt-every", "2", "--steps", "2", "--init", str(shipped), "--export", str(tmp_path / "drafter")] + common
+    fit = _two_step_fit_from_the_shipped_drafter(tmp_path)
     with pytest.raises(SystemExit):
         main(fit + ["--add-feature-layers", "29,x"])
     assert "comma-separated layer ids" in capsys.readouterr().err
