@@ -4,8 +4,9 @@
     python -m bastion.train replay --datastore FOLDER --out DIR [--sequences N]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
                                   [--init FOLDER] [--draft-vocab N] [--export FOLDER]
+    python -m bastion.train average --drafter A --drafter B [...] --out FOLDER
 
-``data``: the offline corpus (bastion.corpus, eval prompts excluded; ``self``: requests the target
+``data``: the offline corpus (bastion.corpus, eval and dev prompts excluded; ``self``: requests the target
 writes itself, see ``make_requests``) → the target's own greedy
 continuations, generated in batches (batching is what makes this affordable on 2 cores), plus the
 feature-layer hidden states of every token, written in shards; finished shards are never redone.
@@ -16,6 +17,8 @@ the target on every batch instead (the sensible split on a GPU, where that forwa
 block = [x_a, MASK × (B−1)]; labels = x_{a+1..a+B−1}. Loss = Σ_k w_k·CE_k with w_k = exp(−(k−1)/γ)
 (early depths matter most for acceptance). Checkpoints (atomic) every ``--ckpt-every`` steps;
 a rerun resumes from the last one.
+
+``average``: the element-wise mean of warm-started runs of one drafter (``average_drafters``).
 """
 
 from __future__ import annotations
@@ -373,6 +376,31 @@ def extend_features(target: Target, feats: torch.Tensor, stored: list[int], want
     with torch.no_grad(), torch.autocast(valid.device.type, enabled=False):
         outs = target.layers_from(feats[..., -h:].to(dt), stored[-1], valid, extra)
     return torch.cat([feats.to(dt), *[o.to(dt) for o in outs]], dim=-1)
+
+
+def average_drafters(drafters: list[DFlashDrafter]) -> DFlashDrafter:
+    """The element-wise mean of drafters of one lineage (a "model soup": warm-started runs of the
+    same drafter land in one basin, and their mean drafts at least as well as most of them — the
+    model card's runs 12–18). Configs and draft vocabularies must be equal; the mean is taken in
+    float64 and returned in the first drafter's dtype."""
+    if not drafters:
+        raise ValueError("average: no drafters given")
+    first = drafters[0]
+    for i, d in enumerate(drafters[1:], 2):
+        if d.cfg != first.cfg:
+            diff = [f for f in first.cfg.__dataclass_fields__ if getattr(d.cfg, f) != getattr(first.cfg, f)]
+            raise ValueError(f"average: drafter {i} differs from drafter 1 in {', '.join(diff)}")
+        same_vocab = (d.draft_vocab is None) == (first.draft_vocab is None) and \
+            (d.draft_vocab is None or torch.equal(d.draft_vocab.cpu(), first.draft_vocab.cpu()))
+        if not same_vocab:
+            raise ValueError(f"average: drafter {i} has another draft vocabulary than drafter 1")
+    out = DFlashDrafter(first.cfg)
+    out.set_draft_vocab(first.draft_vocab.cpu() if first.draft_vocab is not None else None)
+    states = [d.state_dict() for d in drafters]
+    mean = {k: (sum(st[k].double() for st in states) / len(states)) if v.is_floating_point() else v
+            for k, v in states[0].items()}
+    out.load_state_dict(mean)
+    return out.to(first.fc.weight.dtype).eval()
 
 
 def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: set[int] = frozenset()) -> torch.Tensor:
@@ -739,11 +767,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--batch", type=int, default=16)
     r.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
     r.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("average", help="write the element-wise mean of drafters of one lineage (a model soup)")
+    v.add_argument("--drafter", type=Path, required=True, action="append", help="drafter folder (repeat, 2 or more)")
+    v.add_argument("--out", type=Path, required=True, help="folder to write (config.json + model.safetensors, fp16)")
     c = sub.add_parser("plot", help="draw the loss curve of a checkpoint folder")
     c.add_argument("--ckpt", type=Path, required=True, action="append",
                    help="checkpoint folder; repeat to draw a lineage of warm-started runs end to end")
     c.add_argument("--out", type=Path, required=True)
-    for p in (d, f, r):
+    for p in (d, f, r, v):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
@@ -778,11 +809,26 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--device {a.device!r}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
+    if a.cmd == "average":  # checked before the target loads
+        if len(a.drafter) < 2:
+            ap.error("average: give two or more --drafter folders")
+        if a.out.resolve() in {d.resolve() for d in a.drafter}:
+            ap.error(f"average: --out {a.out} is one of the inputs (it would be replaced)")
     if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
         print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
         return 2  # before the target loads
     target = load_target(a.model, torch.float32, str(device))
-    if a.cmd == "data":
+    if a.cmd == "average":
+        from .drafter import load_drafter, save_drafter
+        try:
+            drafters = [load_drafter(d, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
+                        for d in a.drafter]
+            save_drafter(average_drafters(drafters), a.out, dtype=torch.float16)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote the mean of {len(drafters)} drafters to {a.out}", file=sys.stderr)
+    elif a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,

@@ -506,3 +506,53 @@ def test_fit_adds_a_feature_layer_to_an_init_drafter(tmp_path, capsys):
     assert wide.fc.weight[:, 4 * 576:].abs().max() > 0  # the new columns trained
     with pytest.raises(ValueError, match="resume with the --add-feature-layers"):
         main(fit + ["--steps", "4"])
+
+
+def test_average_of_drafters_is_their_mean_and_refuses_strangers(tmp_path, capsys):
+    """average_drafters is the element-wise mean (draft vocabulary kept); `train average` writes it as a
+    loadable folder; drafters of other shapes or vocabularies, one input, or --out an input are refused."""
+    from bastion.drafter import load_drafter, save_drafter
+    from bastion.train import average_drafters, main, widen_features
+
+    target = tiny_target("llama", dtype=torch.float32, layers=4)
+    a, b = tiny_drafter(target, seed=1), tiny_drafter(target, seed=2)
+    vocab = torch.arange(0, 60)
+    a.set_draft_vocab(vocab)
+    b.set_draft_vocab(vocab)
+    mean = average_drafters([a, b])
+    for k, v in mean.state_dict().items():
+        if v.is_floating_point():
+            assert torch.allclose(v, (a.state_dict()[k] + b.state_dict()[k]) / 2, atol=1e-6), k
+    assert torch.equal(mean.draft_vocab, vocab)
+    with pytest.raises(ValueError, match="differs from drafter 1 in num_hidden_layers"):
+        average_drafters([a, tiny_drafter(target, layers=2)])
+    with pytest.raises(ValueError, match="differs from drafter 1 in target_layer_ids"):
+        average_drafters([a, widen_features(b, [3])])
+    c = tiny_drafter(target, seed=3)
+    c.set_draft_vocab(torch.arange(1, 61))
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        average_drafters([a, c])
+    with pytest.raises(ValueError, match="no drafters"):
+        average_drafters([])
+    # the command, on copies of the shipped drafter (the embedded target checks them as it loads)
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m"
+    one = load_drafter(shipped, 576, 49152, 30)
+    two = load_drafter(shipped, 576, 49152, 30)
+    with torch.no_grad():
+        two.fc.weight.add_(0.5)
+    save_drafter(one, tmp_path / "one", dtype=torch.float16)
+    save_drafter(two, tmp_path / "two", dtype=torch.float16)
+    for args, msg in [(["--drafter", str(tmp_path / "one")], "two or more"),
+                      (["--drafter", str(tmp_path / "one"), "--drafter", str(tmp_path / "two"),
+                        "--out", str(tmp_path / "two")], "is one of the inputs")]:
+        with pytest.raises(SystemExit):
+            main(["average", "--out", str(tmp_path / "x")] + args if "--out" not in args else ["average"] + args)
+        assert msg in capsys.readouterr().err
+    assert main(["average", "--drafter", str(tmp_path / "one"), "--drafter", str(tmp_path / "missing"),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "missing" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["average", "--drafter", str(tmp_path / "one"), "--drafter", str(tmp_path / "two"),
+                 "--out", str(tmp_path / "mean"), "--threads", "1"]) == 0
+    got = load_drafter(tmp_path / "mean", 576, 49152, 30)
+    assert torch.allclose(got.fc.weight, one.fc.weight + 0.25, atol=2e-3)  # fp16 storage
+    assert torch.equal(got.draft_vocab, one.draft_vocab)
