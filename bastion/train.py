@@ -381,7 +381,7 @@ def extend_features(target: Target, feats: torch.Tensor, stored: list[int], want
 def average_drafters(drafters: list[DFlashDrafter]) -> DFlashDrafter:
     """The element-wise mean of drafters of one lineage (a "model soup": warm-started runs of the
     same drafter land in one basin, and their mean cancels part of each run's checkpoint noise — the
-    shipped drafter is the mean of runs 13, 16, 17 and 18, which held out beat each of them). Configs
+    shipped drafter is the mean of runs 13, 16, 17 and 18; the model card has what it measured). Configs
     and draft vocabularies must be equal; the mean is taken in float64 and returned in the first
     drafter's dtype."""
     if not drafters:
