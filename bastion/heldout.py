@@ -32,19 +32,11 @@ from .lookup import CopySources, NgramIndex
 from .target import Target
 
 
-def load_prompt_suite(path: Path) -> list[tuple[str, str]]:
-    """[(category, prompt)] of a JSON suite {category: [prompt, ...]} (keys whose value is not a list,
-    such as "_about", are notes); a clear error for a missing file or another shape."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the prompt suite {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object {{category: [prompt, ...]}}")
-    items = [(c, p) for c, ps in data.items() if isinstance(ps, list) for p in ps]
-    if not items or not all(isinstance(p, str) and p.strip() for _, p in items):
-        raise ValueError(f"{path}: expected non-empty lists of prompt strings under category keys")
-    return items
+def suite_items(path: Path) -> list[tuple[str, str]]:
+    """[(category, prompt)] of a prompt suite, read and checked as the benchmark reads it."""
+    from .bench import read_prompts  # ValueError (BenchError) naming what is wrong with the file
+
+    return [(c, p) for c, ps in read_prompts(path).items() for p in ps]
 
 
 def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_new_tokens: int = 128,
@@ -52,7 +44,7 @@ def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_n
     """[{category, ids, prompt_len, feats}] for every eval prompt; read from ``cache`` when it matches.
     A cache of the same replies made for other feature layers keeps its replies (the generation is
     the slow part) and only recomputes the features."""
-    items = load_prompt_suite(prompts_file)
+    items = suite_items(prompts_file)
     key = {"prompts": items, "layer_ids": list(layer_ids), "max_new_tokens": max_new_tokens}
     stored = torch.load(cache, weights_only=False) if cache is not None and cache.is_file() else {}
     if stored.get("key") == key:
@@ -212,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:  # a bad suite is refused before the target loads
-        load_prompt_suite(a.prompts)
+        suite_items(a.prompts)
     except ValueError as exc:
         ap.error(str(exc))
     if a.cache is None:

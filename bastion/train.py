@@ -628,10 +628,11 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         drafter = new_drafter(target, layers or 2, meta["layer_ids"] + list(add_feature_layers or []),
                               block, mask_token_id)
     stored_ids, feature_ids = list(meta["layer_ids"]), list(drafter.cfg.target_layer_ids)
-    if feature_ids[:len(stored_ids)] != stored_ids or any(i <= stored_ids[-1] for i in feature_ids[len(stored_ids):]) \
-            or feature_ids[-1] >= target.num_layers:
+    extra_ids = feature_ids[len(stored_ids):]
+    if feature_ids[:len(stored_ids)] != stored_ids or sorted(set(extra_ids)) != extra_ids \
+            or any(i <= stored_ids[-1] for i in extra_ids) or feature_ids[-1] >= target.num_layers:
         raise ValueError(f"the drafter reads target layers {feature_ids}, the data holds {stored_ids}: "
-                         "a drafter may only add later layers to the data's (--add-feature-layers)")
+                         "a drafter may only add later layers, ascending, to the data's (--add-feature-layers)")
     if live:  # the target's hooks give every layer the drafter reads
         target.set_feature_layers(feature_ids)
     blocks = list(blocks or [drafter.block_size])

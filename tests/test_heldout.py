@@ -91,12 +91,12 @@ def test_prompt_suites_are_checked_and_cached_replies_survive_other_feature_laye
     feature layers keeps the replies (no generation) and recomputes the features, equal to fresh ones."""
     import json
 
-    from bastion.heldout import eval_records, load_prompt_suite, main
+    from bastion.heldout import eval_records, main, suite_items
     from bastion.loading import DEV_PROMPTS, load_target
 
-    assert len(load_prompt_suite(DEV_PROMPTS)) == 90
+    assert len(suite_items(DEV_PROMPTS)) == 90
     bad = tmp_path / "bad.json"
-    for text, msg in [("[1, 2]", "expected a JSON object"), ('{"chat": [""]}', "non-empty lists"), ("{", "cannot read")]:
+    for text, msg in [("[1, 2]", "must hold a JSON object"), ('{"chat": [""]}', "not a non-empty string"), ("{", "not valid JSON")]:
         bad.write_text(text)
         with pytest.raises(SystemExit):
             main(["--prompts", str(bad)])
