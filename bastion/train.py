@@ -755,6 +755,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft over the N most frequent tokens of the data only (0 = full vocabulary)")
     f.add_argument("--live-features", action="store_true",
                    help="run the target on every batch for its features instead of reading them from the shards")
+    f.add_argument("--seed", type=int, default=0,
+                   help="seed of the batch stream (rows, anchors, block lengths); a resumed run continues its "
+                        "checkpoint's stream. Warm starts that differ only here are ingredients for `average`")
     f.add_argument("--kd", type=float, default=0.0,
                    help="weight in [0, 1] of the target's own next-token distributions in the loss (the rest: "
                         "its greedy label); they cost the target's layers after the last feature layer per batch")
@@ -847,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
-            a.ckpt_every, a.export, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
+            a.ckpt_every, a.export, seed=a.seed, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
             draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd,
             add_feature_layers=add_layers)
     return 0

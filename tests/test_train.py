@@ -227,6 +227,15 @@ def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
     assert {len(x["acc"]) for x in log} == {2, 3} and all(x["loss"] > 0 for x in log)
     assert load_drafter(tmp_path / "drafter", 576, 49152, 30).block_size == 16
 
+    # --seed picks the batch stream: the same seed draws the same lengths, another seed others
+    def lengths(seed: int) -> list[int]:
+        out = tmp_path / f"ckpt-seed{seed}"
+        assert main(fit[:4] + [str(out)] + fit[5:] + ["--blocks", "3,5", "--seed", str(seed)]) == 0
+        return [len(json.loads(x)["acc"]) for x in (out / "log.jsonl").read_text().splitlines()]
+
+    again = lengths(0)
+    assert again == [len(x["acc"]) for x in log] and lengths(7) != again
+
 
 def _two_step_fit_from_the_shipped_drafter(tmp_path) -> list[str]:
     """Writes 2 short sequences of the embedded target to tmp_path/data; returns `fit` arguments for a
