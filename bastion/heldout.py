@@ -156,14 +156,46 @@ def simulate_tau(accepted: list[int]) -> tuple[int, int]:
     return tokens, rounds
 
 
+#: edges of the target-confidence bins of ``evaluate(by_confidence=True)``; the last bin holds 1.0
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+
+
+@torch.inference_mode()
+def greedy_confidence(target: Target, rec: dict) -> list[float]:
+    """For every anchor a of :func:`chain_lengths` (a = prompt_len − 1 … n − 2): the target's own
+    probability p(x_{a+1} | x_{≤a}) of the token that follows, the one the drafter's depth 1 must name.
+    On a greedy reply that token is the target's argmax, so p is how sure the target itself was:
+    near 1 where the next token is all but forced (the rest of a word, a closing bracket), low where
+    the target chose among near-equals. One float32 forward over the whole reply."""
+    ids, P = rec["ids"], rec["prompt_len"]
+    logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0].float()
+    nxt = torch.tensor(ids[P:], device=logits.device)
+    return logits[P - 1:len(ids) - 1].log_softmax(-1).gather(1, nxt[:, None])[:, 0].exp().tolist()
+
+
+def _confidence_bin(p: float) -> int:
+    for i, hi in enumerate(CONFIDENCE_EDGES[1:-1]):
+        if p < hi:
+            return i
+    return len(CONFIDENCE_EDGES) - 2  # the last bin is closed: it holds p = 1.0
+
+
 def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None,
-             block: int | None = None) -> dict:
+             block: int | None = None, by_confidence: bool = False) -> dict:
     """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain, lookup,
-    both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`."""
+    both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`.
+
+    ``by_confidence``: also the drafter's depth-1 accuracy per bin of the target's own confidence in
+    the token (:func:`greedy_confidence`, bins :data:`CONFIDENCE_EDGES`): ``"by_confidence"`` holds
+    per bin ``lo``, ``hi``, ``n`` positions, their ``share`` of all, and ``acc1``. A drafter that
+    misses tokens the target is sure of has room to learn; misses where the target itself hesitated
+    are the hard part."""
     groups: dict[str, dict] = {}
     depths = min(depths, (block or drafter.block_size) - 1)
+    n_bins = len(CONFIDENCE_EDGES) - 1
     for rec in records:
         lengths, hits = chain_lengths(drafter, target, rec, block=block)
+        conf = greedy_confidence(target, rec) if by_confidence else []
         looks = lookup_lengths(rec)
         sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
         if datastore is not None:
@@ -171,20 +203,31 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
             sims["all"] = [max(x, y) for x, y in zip(sims["both"], sims["datastore"])]
         for name in (rec["category"], "all"):
             g = groups.setdefault(name, {"hits": [[0, 0] for _ in range(depths)], "chain": [],
-                                         "sim": {k: [0, 0] for k in sims}})
+                                         "sim": {k: [0, 0] for k in sims}, "conf": [[0, 0] for _ in range(n_bins)]})
             for row in hits:
                 for d, ok in enumerate(row[:depths]):
                     g["hits"][d][0] += ok
                     g["hits"][d][1] += 1
+            for p, row in zip(conf, hits):
+                b = g["conf"][_confidence_bin(p)]
+                b[0] += row[0]
+                b[1] += 1
             g["chain"] += lengths
             for k, acc in sims.items():
                 t, r = simulate_tau(acc)
                 g["sim"][k][0] += t
                 g["sim"][k][1] += r
-    return {name: {"acc": [round(h / max(n, 1), 3) for h, n in g["hits"]],
-                   "chain_len": round(sum(g["chain"]) / max(len(g["chain"]), 1), 3),
-                   "tau": {k: round(t / max(r, 1), 3) for k, (t, r) in g["sim"].items()}}
-            for name, g in groups.items()}
+    out = {name: {"acc": [round(h / max(n, 1), 3) for h, n in g["hits"]],
+                  "chain_len": round(sum(g["chain"]) / max(len(g["chain"]), 1), 3),
+                  "tau": {k: round(t / max(r, 1), 3) for k, (t, r) in g["sim"].items()}}
+           for name, g in groups.items()}
+    if by_confidence:
+        for name, g in groups.items():
+            total = max(sum(n for _, n in g["conf"]), 1)
+            out[name]["by_confidence"] = [
+                {"lo": lo, "hi": hi, "n": n, "share": round(n / total, 4), "acc1": round(h / n, 3) if n else None}
+                for lo, hi, (h, n) in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:], g["conf"])]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, default=EVAL_PROMPTS,
                     help="JSON {category: [prompt, ...]} (default the evaluation suite; assets/dev_prompts.json "
                          "holds 90 more)")
+    ap.add_argument("--by-confidence", action="store_true",
+                    help="also the drafter's depth-1 accuracy per bin of the target's own confidence in the token")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:  # a bad suite is refused before the target loads
@@ -225,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.block is not None and not 2 <= a.block <= drafter.block_size:
         ap.error(f"--block must be in [2, {drafter.block_size}]")
     records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
-    res = evaluate(drafter, target, records, datastore=datastore, block=a.block)
+    res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence)
     if a.json:
         print(json.dumps(res))
         return 0
@@ -235,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
         print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
               + " | ".join(f"{r['tau'][k]:.2f}" for k in sims) + " |")
+    if a.by_confidence:
+        names = sorted(res, key=lambda k: k == "all")
+        print("\n| target's p(greedy token) | share of positions | depth-1 accuracy: "
+              + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
+        for i, b in enumerate(res["all"]["by_confidence"]):
+            cells = [res[k]["by_confidence"][i]["acc1"] for k in names]
+            print(f"| [{b['lo']:.2f}, {b['hi']:.2f}{']' if i == len(CONFIDENCE_EDGES) - 2 else ')'} | {b['share']:.1%} | "
+                  + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
     return 0
 
 

@@ -121,3 +121,40 @@ def test_prompt_suites_are_checked_and_cached_replies_survive_other_feature_laye
         assert torch.equal(b["feats"][:, :2 * target.hidden_size], a["feats"])
     assert eval_records(target, [1, 10, 29], cache, max_new_tokens=4, prompts_file=suite)[0]["feats"].shape == \
         again[0]["feats"].shape  # read back from the cache now
+
+
+def test_depth1_accuracy_by_the_targets_confidence_partitions_the_positions():
+    """evaluate(by_confidence=True): every anchor falls in exactly one bin of the target's probability
+    of the next token, the bins' hits add up to the depth-1 accuracy, and that probability is the
+    target's own softmax at the position (checked against a forward over the prefix alone)."""
+    from bastion.heldout import CONFIDENCE_EDGES, _confidence_bin, greedy_confidence
+
+    target = tiny_target("llama", dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = [3, 5, 7, 11]
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    ids = prompt + [t for s in engine.generate(prompt, GenerationConfig(strategy="ar", max_new_tokens=30))
+                    for t in s.tokens]
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+    rec = {"category": "x", "ids": ids, "prompt_len": len(prompt), "feats": feats}
+
+    conf = greedy_confidence(target, rec)
+    assert len(conf) == len(ids) - len(prompt) == len(chain_lengths(drafter, target, rec)[0])
+    for a in (len(prompt) - 1, len(ids) - 2):  # first and last anchor
+        with torch.no_grad():
+            p = target.model(input_ids=torch.tensor([ids[:a + 1]])).logits[0, -1].softmax(-1)[ids[a + 1]].item()
+        assert conf[a - (len(prompt) - 1)] == pytest.approx(p, rel=1e-6)  # float32 softmax
+    # on a greedy reply the token that follows is the argmax: no probability of the position is higher
+    with torch.no_grad():
+        probs = target.model(input_ids=torch.tensor([ids])).logits[0].softmax(-1)
+    assert all(c >= probs[a].max().item() * (1 - 1e-6) for a, c in zip(range(len(prompt) - 1, len(ids) - 1), conf))
+    assert [_confidence_bin(x) for x in (0.0, 0.29, 0.3, 0.989, 0.99, 1.0)] == [0, 0, 1, 4, 5, 5]
+
+    res = evaluate(drafter, target, [rec], depths=3, by_confidence=True)["all"]
+    bins = res["by_confidence"]
+    assert [(b["lo"], b["hi"]) for b in bins] == list(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]))
+    assert sum(b["n"] for b in bins) == len(conf) and sum(b["share"] for b in bins) == pytest.approx(1, abs=1e-3)
+    hits = sum(b["acc1"] * b["n"] for b in bins if b["n"])
+    assert hits == pytest.approx(res["acc"][0] * len(conf), abs=0.01 * len(conf))
+    assert "by_confidence" not in evaluate(drafter, target, [rec], depths=3)["all"]
