@@ -160,17 +160,21 @@ def simulate_tau(accepted: list[int]) -> tuple[int, int]:
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 
-@torch.inference_mode()
-def greedy_confidence(target: Target, rec: dict) -> list[float]:
+@torch.no_grad()  # not inference mode: Target.layers_from's attention keeps version counters
+def greedy_confidence(target: Target, rec: dict, layer_id: int) -> list[float]:
     """For every anchor a of :func:`chain_lengths` (a = prompt_len − 1 … n − 2): the target's own
     probability p(x_{a+1} | x_{≤a}) of the token that follows, the one the drafter's depth 1 must name.
     On a greedy reply that token is the target's argmax, so p is how sure the target itself was:
     near 1 where the next token is all but forced (the rest of a word, a closing bracket), low where
-    the target chose among near-equals. One float32 forward over the whole reply."""
+    the target chose among near-equals. The record's last feature columns hold decoder layer
+    ``layer_id``'s outputs, so only the layers after it run (:meth:`Target.finish_from`)."""
     ids, P = rec["ids"], rec["prompt_len"]
-    logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0].float()
+    h = target.hidden_size
+    feats = rec["feats"][None, :, -h:].to(target.device)
+    final = target.finish_from(feats, layer_id, torch.ones(1, len(ids), dtype=torch.bool, device=target.device))
+    logits = target.lm_head(final[0, P - 1:len(ids) - 1]).float()
     nxt = torch.tensor(ids[P:], device=logits.device)
-    return logits[P - 1:len(ids) - 1].log_softmax(-1).gather(1, nxt[:, None])[:, 0].exp().tolist()
+    return logits.log_softmax(-1).gather(1, nxt[:, None])[:, 0].exp().tolist()
 
 
 def _confidence_bin(p: float) -> int:
@@ -195,7 +199,7 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     n_bins = len(CONFIDENCE_EDGES) - 1
     for rec in records:
         lengths, hits = chain_lengths(drafter, target, rec, block=block)
-        conf = greedy_confidence(target, rec) if by_confidence else []
+        conf = greedy_confidence(target, rec, drafter.cfg.target_layer_ids[-1]) if by_confidence else []
         looks = lookup_lengths(rec)
         sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
         if datastore is not None:

@@ -139,7 +139,7 @@ def test_depth1_accuracy_by_the_targets_confidence_partitions_the_positions():
     feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
     rec = {"category": "x", "ids": ids, "prompt_len": len(prompt), "feats": feats}
 
-    conf = greedy_confidence(target, rec)
+    conf = greedy_confidence(target, rec, drafter.cfg.target_layer_ids[-1])
     assert len(conf) == len(ids) - len(prompt) == len(chain_lengths(drafter, target, rec)[0])
     for a in (len(prompt) - 1, len(ids) - 2):  # first and last anchor
         with torch.no_grad():
