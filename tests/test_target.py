@@ -1,0 +1,74 @@
+"""The target's KV cache: rows appended in place (target.GrowingLayer) instead of transformers' cat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from bastion.kernels import get_kernels
+from bastion.target import GrowingLayer
+from tests.tiny import tiny_target
+
+
+def _decode(target, steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits of a fixed script: prefill, a 5-node tree whose accepted nodes are not a prefix of the
+    pop order (rows moved), a chain accepted in part (rows cropped), then one-token steps. Also the
+    storage of layer 0's keys after each forward (held, so that no address is reused)."""
+    kernels = get_kernels("torch")
+    target.prefill(torch.arange(3, 23))
+    out, ptrs = [], []
+
+    def forward(parents, tokens):
+        mask, pos = kernels.tree_mask(parents, target.cache_len, target.dtype, "cpu")
+        out.append(target.forward_tree(torch.tensor(tokens), mask, pos).logits)
+        ptrs.append(target.cache.layers[0].keys.untyped_storage())
+
+    prefix = target.cache_len
+    forward([-1, 0, 0, 1, 2], [30, 31, 32, 33, 34])
+    target.commit(prefix, [0, 2, 4])   # root, its second child, that child's child
+    prefix = target.cache_len
+    forward([-1, 0, 1], [40, 41, 42])
+    target.commit(prefix, [0, 1])      # the last node dropped
+    for i in range(steps):
+        prefix = target.cache_len
+        forward([-1], [50 + i])
+        target.commit(prefix, [0])
+    return out, ptrs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_growing_cache_gives_the_logits_of_transformers_cache(family, monkeypatch):
+    """Bit for bit the logits of transformers' DynamicCache, across row moves, crops and several
+    regrowths of the buffers (a small first allocation forces them); and appending does not copy the
+    cache on every forward: between regrowths the keys stay views of one buffer."""
+    monkeypatch.setattr(GrowingLayer, "min_rows", 8)
+    target = tiny_target(family, dtype=torch.float32)
+    grown, storages = _decode(target, steps=40)
+    ptrs = [s.data_ptr() for s in storages]
+    assert all(type(layer) is GrowingLayer for layer in target.cache.layers)
+    assert target.cache_len == 20 + 3 + 2 + 40  # the rows each commit kept
+    # 8 rows, then ×1.5 as needed: a handful of buffers for 64 rows, not one per forward
+    assert 2 <= len(set(ptrs)) <= 8, ptrs
+    layer = target.cache.layers[0]
+    assert layer.keys.data_ptr() == layer._kbuf.data_ptr() and layer._kbuf.shape[2] >= layer.keys.shape[2]
+
+    monkeypatch.setattr(target, "reset", lambda: setattr(target, "cache", DynamicCache(config=target.config)))
+    stock, storages = _decode(target, steps=40)
+    assert len({s.data_ptr() for s in storages}) == len(storages)  # the stock layer: a new tensor every forward
+    assert len(grown) == len(stock)
+    for i, (a, b) in enumerate(zip(grown, stock)):
+        assert torch.equal(a, b), i
+
+
+def test_growing_layer_adopts_keys_set_from_outside():
+    """A layer whose keys were replaced (not views of its buffer) copies them in before appending."""
+    layer = GrowingLayer()
+    k = torch.randn(1, 2, 3, 4)
+    layer.update(k, k + 1)
+    layer.keys, layer.values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    before = layer.keys.clone()
+    new = torch.randn(1, 2, 1, 4)
+    keys, values = layer.update(new, new)
+    assert torch.equal(keys[:, :, :5], before) and torch.equal(keys[:, :, 5:], new)
+    assert keys.shape[2] == values.shape[2] == 6
