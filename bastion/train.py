@@ -489,7 +489,7 @@ def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype)
 
 
 def train_step(drafter: DFlashDrafter, target: Target, batch: Batch, gamma: float, bf16: bool = False,
-               loss_depths: int | None = None, kd: float = 0.0):
+               loss_depths: int | None = None, kd: float = 0.0, accept: float = 0.0):
     """Weighted block cross-entropy of one batch; returns (loss, per-depth top-1 accuracy, mean
     accepted chain length under teacher forcing). ``bf16`` runs the matrix products under autocast
     on the batch's device (about 2× faster on CPUs with AVX512-BF16, far more on a GPU); weights and
@@ -498,7 +498,7 @@ def train_step(drafter: DFlashDrafter, target: Target, batch: Batch, gamma: floa
     with torch.autocast(batch.valid.device.type, dtype=torch.bfloat16, enabled=bf16):
         if batch.feats is None:
             batch = live_features(target, batch)
-        return _train_step(drafter, target, batch, gamma, loss_depths, kd)
+        return _train_step(drafter, target, batch, gamma, loss_depths, kd, accept)
 
 
 def target_distributions(drafter: DFlashDrafter, target: Target, batch, depths: int) -> torch.Tensor:
@@ -523,15 +523,34 @@ def target_distributions(drafter: DFlashDrafter, target: Target, batch, depths: 
         return torch.log_softmax(logits.float(), dim=-1)
 
 
+def acceptance_weights(label_logq: torch.Tensor) -> torch.Tensor:
+    """Per-label weights [..., D] whose weighted cross-entropy has the gradient of the expected
+    accepted chain length (the weights are constants: computed without gradient).
+
+    With P_d = Π_{k≤d} q_k(y_k), the probability that a chain sampled from the drafter's marginals
+    matches the labels through depth d, E[L] = Σ_d P_d and ∂E[L]/∂log q_j(y_j) = Σ_{d≥j} P_d =: w_j.
+    So Σ_j w_j · CE_j with w held fixed has the gradient of −E[L]: a label counts as much as the chain
+    that rides on it — depth j of a block whose depth 1 is hopeless counts for little, and a depth the
+    drafter almost has counts most. ``label_logq`` [..., D]: log q_k(y_k), −inf where a label cannot be
+    hit (outside the draft vocabulary, past the end of the reply: the chain ends there)."""
+    with torch.no_grad():
+        p = torch.exp(torch.cumsum(label_logq.detach().float(), dim=-1))          # P_d
+        return torch.flip(torch.cumsum(torch.flip(p, [-1]), dim=-1), [-1])        # Σ_{d≥j} P_d
+
+
 def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, loss_depths: int | None,
-                kd: float = 0.0):
+                kd: float = 0.0, accept: float = 0.0):
     """``loss_depths`` D ≤ B−1 trains only depths 1..D: the LM head over V dominates the cost, and
     deep depths carry little weight in the acceptance length, so this buys more anchors per second.
 
     Loss per label: (1 − α)·CE(greedy label) + α·CE(p_target), α = ``kd``, where the second term is
     −Σ_v p(v) log q(v) with p the target's own next-token distribution at that position (over the
     draft vocabulary, renormalised). The greedy label says only which token won; p also says by how
-    much and what came second — more signal per stored token when data, not steps, is the limit."""
+    much and what came second — more signal per stored token when data, not steps, is the limit.
+
+    ``accept`` β mixes the greedy-label term's fixed depth weights exp(−(k−1)/γ) with the expected
+    acceptance length's (:func:`acceptance_weights`): (1 − β)·CE_decay + β·CE_accept, each a weighted
+    mean over the batch's labels."""
     feats, valid, block_ids, block_pos, labels, anchor_pos, _ = batch
     dev = valid.device
     B = block_ids.shape[1] // anchor_pos.shape[1]  # the batch's block length (≤ the drafter's, see fit)
@@ -558,6 +577,10 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
     trained = col != -100
     w = torch.exp(-torch.arange(D, dtype=torch.float32, device=dev) / gamma)
     loss = (ce * trained * w).sum() / (trained * w).sum().clamp(min=1e-9)
+    if accept > 0:
+        # ce = −log q(y) where trained; a label that cannot be hit ends the chain
+        wa = acceptance_weights(torch.where(trained, -ce, float("-inf")))
+        loss = (1.0 - accept) * loss + accept * (ce * trained * wa).sum() / (trained * wa).sum().clamp(min=1e-9)
     if kd > 0:
         logp = target_distributions(drafter, target, batch, D).view(r, A, D, -1)
         soft = -(logp.exp() * torch.log_softmax(logits.view(r, A, D, -1), dim=-1)).sum(-1)
@@ -575,7 +598,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         layers: int | None, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
         mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
         init: Path | None = None, draft_vocab: int | None = None, live: bool = False,
-        blocks: list[int] | None = None, kd: float = 0.0, add_feature_layers: list[int] | None = None) -> None:
+        blocks: list[int] | None = None, kd: float = 0.0, add_feature_layers: list[int] | None = None,
+        accept: float = 0.0) -> None:
     """Train (or resume) a drafter on the data folders; runs on the target's device.
 
     ``add_feature_layers``: target layers the drafter reads beyond the data's (later ones only, e.g.
@@ -585,6 +609,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     ``kd``: weight α of the target's own distributions in the loss (:func:`_train_step`); they are
     computed per batch from the stored features by the target's layers after the last feature layer.
     (On the embedded target it tied plain training held out: the model card's runs 16–18.)
+
+    ``accept``: weight β of the expected-acceptance-length weighting of the labels (:func:`_train_step`).
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
@@ -689,7 +715,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         batch = make_batch(records, rows, anchors, b, mask_token_id, rng).to(device)
         if not live and feature_ids != stored_ids:
             batch = batch._replace(feats=extend_features(target, batch.feats, stored_ids, feature_ids, batch.valid))
-        loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths, kd)
+        loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths, kd, accept)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -697,7 +723,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         step += 1
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
-                   | ({"kd": kd} if kd else {}))  # a distilled loss is on another scale: say so
+                   | ({"kd": kd} if kd else {}) | ({"accept": accept} if accept else {}))  # another scale: say so
         _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
         if step % ckpt_every == 0 and _count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
@@ -761,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--kd", type=float, default=0.0,
                    help="weight in [0, 1] of the target's own next-token distributions in the loss (the rest: "
                         "its greedy label); they cost the target's layers after the last feature layer per batch")
+    f.add_argument("--accept", type=float, default=0.0,
+                   help="weight in [0, 1] of labels weighted by the expected accepted chain length that rides on "
+                        "them (the rest: the fixed depth decay of --gamma)")
     f.add_argument("--add-feature-layers", default=None,
                    help="comma-separated target layers to read beyond the data's feature layers (later ones, e.g. "
                         "the last); computed per batch from the last stored layer. With --init the drafter's fc "
@@ -800,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--add-feature-layers {a.add_feature_layers!r}: give comma-separated layer ids")
     if a.cmd == "fit" and not 0.0 <= a.kd <= 1.0:
         ap.error(f"--kd {a.kd}: give a weight in [0, 1]")
+    if a.cmd == "fit" and not 0.0 <= a.accept <= 1.0:
+        ap.error(f"--accept {a.accept}: give a weight in [0, 1]")
     if a.cmd == "fit" and a.layers is not None and a.layers < 1:
         ap.error(f"--layers {a.layers}: give a positive layer count")
     if a.cmd == "plot":
@@ -851,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
             a.ckpt_every, a.export, seed=a.seed, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
-            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd,
+            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd, accept=a.accept,
             add_feature_layers=add_layers)
     return 0
 

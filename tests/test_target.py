@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from bastion.kernels import get_kernels
 from bastion.target import GrowingLayer
-from tests.tiny import tiny_target
+from tiny import tiny_target
 
 
 def _decode(target, steps: int) -> tuple[list[torch.Tensor], list[int]]:

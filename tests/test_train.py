@@ -1,6 +1,7 @@
 """The training pipeline: the offline corpus, and `python -m bastion.train data|fit|plot` end to end."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -422,6 +423,64 @@ def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses  # the soft term alone trains the drafter
+
+
+def test_acceptance_weights_give_the_gradient_of_the_expected_chain_length():
+    """Σ_j w_j·(−log q_j) with the weights held fixed has exactly the gradient of −E[L] = −Σ_d Π_{k≤d} q_k;
+    a label that cannot be hit (−inf) ends the chain: no weight from it on."""
+    from bastion.train import acceptance_weights
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 6, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 2, 6), generator=gen)
+    logq = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    hit = torch.ones_like(labels, dtype=torch.bool)
+    hit[1, 0, 2] = False  # e.g. a label outside the draft vocabulary
+    lq = torch.where(hit, logq, float("-inf"))
+    w = acceptance_weights(lq).double()
+    assert torch.all(w[1, 0, 3:] == 0) and torch.all(w[1, 0, :2] > 0)
+    assert torch.all(w[..., :-1] >= w[..., 1:])  # a deeper label never carries more chain
+    surrogate = -(w * torch.where(hit, logq, 0.0)).sum()
+    expected = torch.exp(torch.cumsum(lq, -1)).sum()
+    g1, = torch.autograd.grad(surrogate, logits, retain_graph=True)
+    g2, = torch.autograd.grad(-expected, logits)
+    assert torch.allclose(g1, g2, atol=1e-12)
+
+
+def test_an_accept_step_trains_and_differs_from_the_decay_loss():
+    """--accept β puts the labels' weight where the chain rides: the loss of a batch differs from the
+    fixed decay's, and steps on it lower it."""
+    from bastion.train import make_batch, _train_step
+
+    target = tiny_target("llama", dtype=torch.float32, layers=4)  # make_batch stores features in float32
+    drafter = tiny_drafter(target, block_size=5).train()
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    gen = torch.Generator().manual_seed(2)
+    recs = []
+    for _ in range(4):
+        ids = torch.randint(0, target.vocab_size - 1, (30,), generator=gen)
+        recs.append({"ids": ids, "prompt_len": 4, "feats": target.batch_features(ids[None], torch.ones(1, 30, dtype=torch.long))[0].clone()})
+    batch = make_batch(recs, 4, 3, 5, target.vocab_size - 1, random.Random(0))
+    plain, _, _ = _train_step(drafter, target, batch, 5.0, None)
+    mixed, _, _ = _train_step(drafter, target, batch, 5.0, None, accept=1.0)
+    assert abs(plain.item() - mixed.item()) > 1e-6
+    opt = torch.optim.SGD(drafter.parameters(), lr=0.5)
+    losses = []
+    for _ in range(25):
+        loss, _, _ = _train_step(drafter, target, batch, 5.0, None, accept=0.5)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_fit_rejects_an_accept_weight_outside_0_1(capsys):
+    from bastion.train import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "x", "--ckpt", "y", "--accept", "-0.5"])
+    assert "--accept -0.5" in capsys.readouterr().err
 
 
 def test_fit_rejects_a_kd_weight_outside_0_1(capsys):
