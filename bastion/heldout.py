@@ -14,12 +14,16 @@ context a decoding round has — and compares with the reply:
   a tree holding all three. Measured τ of ``chain`` in the benchmark should match the first.
 
 All of it is cheap next to a benchmark (one drafter forward per 16 positions) and deterministic.
+``--data DIR`` scores replies the drafter was *trained* on instead (sampled from its training data
+folders, their stored features): the gap between those and a prompt suite is over-fitting; a low
+score on both is a drafter that cannot fit its data.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -37,6 +41,27 @@ def suite_items(path: Path) -> list[tuple[str, str]]:
     from .bench import read_prompts  # ValueError (BenchError) naming what is wrong with the file
 
     return [(c, p) for c, ps in read_prompts(path).items() for p in ps]
+
+
+def data_records(folders: list[Path], layer_ids: list[int], n: int, seed: int = 0) -> list[dict]:
+    """``n`` records sampled (without replacement, seeded) from training data folders
+    (``train data`` / ``train replay``), in :func:`eval_records`' form, category "trained". Their
+    features must be the drafter's layers: a ValueError names both otherwise."""
+    from .train import load_shards
+
+    for folder in folders:
+        if not (folder / "meta.json").is_file():
+            raise ValueError(f"{folder} is not a training data folder (no meta.json)")
+        meta = json.loads((folder / "meta.json").read_text())
+        if not meta.get("features", True):
+            raise ValueError(f"{folder} holds token ids only (data --no-features): no features to draft from")
+        if meta.get("layer_ids") != list(layer_ids):
+            raise ValueError(f"{folder} holds features of target layers {meta.get('layer_ids')}, "
+                             f"the drafter reads {list(layer_ids)}")
+    recs = load_shards(list(folders))
+    pick = random.Random(seed).sample(range(len(recs)), min(n, len(recs)))
+    return [{"category": "trained", "ids": recs[i]["ids"].tolist(), "prompt_len": int(recs[i]["prompt_len"]),
+             "feats": recs[i]["feats"]} for i in pick]
 
 
 def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_new_tokens: int = 128,
@@ -248,14 +273,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, default=EVAL_PROMPTS,
                     help="JSON {category: [prompt, ...]} (default the evaluation suite; assets/dev_prompts.json "
                          "holds 90 more)")
+    ap.add_argument("--data", type=Path, action="append", default=None,
+                    help="score replies from these training data folders instead of a prompt suite (repeatable)")
+    ap.add_argument("--sample", type=int, default=60, help="with --data: how many replies (default 60)")
+    ap.add_argument("--seed", type=int, default=0, help="with --data: the sample's seed")
     ap.add_argument("--by-confidence", action="store_true",
                     help="also the drafter's depth-1 accuracy per bin of the target's own confidence in the token")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.data and a.sample < 1:
+        ap.error("--sample must be positive")
     try:  # a bad suite is refused before the target loads
         suite_items(a.prompts)
     except ValueError as exc:
         ap.error(str(exc))
+    missing = [str(d) for d in a.data or [] if not (d / "meta.json").is_file()]
+    if missing:
+        ap.error(f"not training data folders (no meta.json): {', '.join(missing)}")
     if a.cache is None:
         name = "heldout.pt" if a.prompts.resolve() == EVAL_PROMPTS.resolve() else f"heldout-{a.prompts.stem}.pt"
         a.cache = Path.home() / ".cache" / "bastion" / name
@@ -273,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     drafter = drafter.float().eval()
     if a.block is not None and not 2 <= a.block <= drafter.block_size:
         ap.error(f"--block must be in [2, {drafter.block_size}]")
-    records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
+    if a.data:
+        try:
+            records = data_records(a.data, drafter.cfg.target_layer_ids, a.sample, a.seed)
+        except (OSError, ValueError) as exc:
+            ap.error(str(exc))
+    else:
+        records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
     res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence)
     if a.json:
         print(json.dumps(res))

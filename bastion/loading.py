@@ -16,6 +16,7 @@ DEFAULT_DRAFTER = ASSETS / "drafter-smollm2-135m"
 EVAL_PROMPTS = ASSETS / "eval_prompts.json"
 # a second hand-written suite, three times larger, for comparing drafters (never trained on either)
 DEV_PROMPTS = ASSETS / "dev_prompts.json"
+FRESH_PROMPTS = ASSETS / "fresh_self_prompts.json"  # model-written requests no drafter trained on
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}

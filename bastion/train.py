@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
 from .drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter, spread_layer_ids
-from .loading import DEV_PROMPTS, EMBEDDED, EVAL_PROMPTS, encode_prompt, load_target
+from .loading import DEV_PROMPTS, EMBEDDED, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt, load_target
 from .target import Target
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
@@ -47,9 +47,9 @@ MASK_TOKEN_SMOLLM2 = 16  # <empty_output>: a special token that never appears in
 
 
 def _eval_prompt_set() -> set[str]:
-    """The prompts no training corpus may contain: the evaluation suite and the development suite."""
+    """The prompts no training corpus may contain: the evaluation, development and fresh `self` suites."""
     out = set()
-    for path in (EVAL_PROMPTS, DEV_PROMPTS):
+    for path in (EVAL_PROMPTS, DEV_PROMPTS, FRESH_PROMPTS):
         data = json.loads(path.read_text())
         out |= {p for v in data.values() if isinstance(v, list) for p in v}
     return out

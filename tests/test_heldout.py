@@ -158,3 +158,43 @@ def test_depth1_accuracy_by_the_targets_confidence_partitions_the_positions():
     hits = sum(b["acc1"] * b["n"] for b in bins if b["n"])
     assert hits == pytest.approx(res["acc"][0] * len(conf), abs=0.01 * len(conf))
     assert "by_confidence" not in evaluate(drafter, target, [rec], depths=3)["all"]
+
+
+def test_data_records_sample_training_replies_with_their_stored_features(tmp_path, capsys):
+    """heldout --data: replies drawn from a training data folder, seeded and without repeats, carry the
+    folder's stored features (equal to the target's own, as the shards were written); folders for other
+    feature layers, without features or without meta.json are refused with the reason."""
+    import json
+
+    from bastion.heldout import data_records, evaluate, main
+    from bastion.train import _records
+
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    layers = drafter.cfg.target_layer_ids
+    target.set_feature_layers(layers)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 90, (12 + i,), generator=gen).tolist() for i in range(6)]
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"layer_ids": layers, "features": True}))
+    torch.save(_records(target, seqs, [3] * 6, 0), folder / "shard_00000.pt")
+    recs = data_records([folder], layers, 4, seed=1)
+    assert len(recs) == 4 and len({tuple(r["ids"]) for r in recs}) == 4
+    assert [r["ids"] for r in recs] == [r["ids"] for r in data_records([folder], layers, 4, seed=1)]
+    assert [r["ids"] for r in recs] != [r["ids"] for r in data_records([folder], layers, 4, seed=2)]
+    for r in recs:
+        assert r["ids"] in seqs and r["category"] == "trained" and r["prompt_len"] == 3
+        fresh = target.batch_features(torch.tensor([r["ids"]]), torch.ones(1, len(r["ids"]), dtype=torch.long))[0]
+        assert torch.equal(r["feats"], fresh.to(torch.float16))
+    assert len(data_records([folder], layers, 100)) == 6  # a sample larger than the data: all of it
+    res = evaluate(drafter, target, recs, block=4)
+    assert set(res) == {"trained", "all"} and len(res["all"]["acc"]) == 3
+    with pytest.raises(ValueError, match="target layers"):
+        data_records([folder], [0, 1], 4)
+    (folder / "meta.json").write_text(json.dumps({"layer_ids": layers, "features": False}))
+    with pytest.raises(ValueError, match="token ids only"):
+        data_records([folder], layers, 4)
+    with pytest.raises(SystemExit):
+        main(["--data", str(tmp_path / "nowhere")])
+    assert "no meta.json" in capsys.readouterr().err

@@ -37,6 +37,20 @@ def test_dev_suite_is_larger_disjoint_and_excluded_from_training():
     assert dev | _eval_prompts() <= _eval_prompt_set()
 
 
+def test_fresh_self_suite_is_a_valid_suite_disjoint_and_excluded_from_training():
+    """assets/fresh_self_prompts.json: 60 distinct model-written requests, none in the other suites or
+    the few-shot seeds, read as a suite by the benchmark's reader, and left out of every corpus."""
+    from bastion.bench import read_prompts
+    from bastion.corpus import SEED_REQUESTS
+    from bastion.loading import FRESH_PROMPTS
+    from bastion.train import _eval_prompt_set
+
+    fresh = read_prompts(FRESH_PROMPTS)["self"]
+    assert len(fresh) == len(set(fresh)) == 60
+    assert not set(fresh) & (_eval_prompts() | _dev_prompts() | {q for qs in SEED_REQUESTS.values() for q in qs})
+    assert set(fresh) <= _eval_prompt_set()
+
+
 @pytest.mark.parametrize("corpus", ["base", "broad"])
 def test_corpus_is_deterministic_prefix_stable_and_disjoint_from_eval(corpus):
     held_out = _eval_prompts() | _dev_prompts()
