@@ -399,6 +399,19 @@ def test_finish_from_a_feature_layer_equals_the_full_forward(family):
         assert torch.allclose(got[valid], out.last_hidden_state[valid], atol=1e-10), (family, layer)
 
 
+def _sgd_losses(drafter, loss_fn, steps: int = 25, lr: float = 0.5) -> list[float]:
+    """The loss before each of ``steps`` plain SGD steps on ``loss_fn()``."""
+    opt = torch.optim.SGD(drafter.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
     """target_distributions gives, for each label of a block, the target's next-token distribution
     at the position before it (its argmax is the greedy label); a --kd step back-propagates it."""
@@ -428,14 +441,7 @@ def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
         full = torch.log_softmax(target.model(ids).logits, -1)
     at = (anchors[:, :, None] + torch.arange(B - 1)).reshape(2, -1)
     assert torch.allclose(logp, full.gather(1, at[:, :, None].expand(-1, -1, full.shape[-1])).float(), atol=1e-5)
-    opt = torch.optim.SGD(drafter.parameters(), lr=0.5)
-    losses = []
-    for _ in range(25):
-        loss, _, _ = _train_step(drafter, target, batch, 5.0, None, kd=1.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _sgd_losses(drafter, lambda: _train_step(drafter, target, batch, 5.0, None, kd=1.0)[0])
     assert losses[-1] < losses[0] - 0.1, losses  # the soft term alone trains the drafter
 
 
@@ -478,14 +484,7 @@ def test_an_accept_step_trains_and_differs_from_the_decay_loss():
     plain, _, _ = _train_step(drafter, target, batch, 5.0, None)
     mixed, _, _ = _train_step(drafter, target, batch, 5.0, None, accept=1.0)
     assert abs(plain.item() - mixed.item()) > 1e-6
-    opt = torch.optim.SGD(drafter.parameters(), lr=0.5)
-    losses = []
-    for _ in range(25):
-        loss, _, _ = _train_step(drafter, target, batch, 5.0, None, accept=0.5)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _sgd_losses(drafter, lambda: _train_step(drafter, target, batch, 5.0, None, accept=0.5)[0])
     assert losses[-1] < losses[0] - 0.1, losses
 
 
