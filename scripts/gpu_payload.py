@@ -6,12 +6,13 @@ is 98 MB, so the payload is split over several calls, each copying its part to t
 while the machine stays warm (30 s between calls). This writes OUT/part1, OUT/part2, ... and prints,
 for each, the command of its call (every call but the last only copies; the last assembles and runs).
 
-    python scripts/gpu_payload.py --out .gpu --data data/base --data data/self [--tree-mib 21]
+    python scripts/gpu_payload.py --out .gpu --data data/replay --tree-mib 42
 
 ``--tree-mib``: what the repository itself weighs in a call (measure it: tracked and untracked files).
 Packed: transformers' and gguf's wheels for the machine's Python 3.12 (pip download), the GGUF in
-pieces, the drafter to start from (tar.xz) and the data folders as token ids only (tar.xz, features
-dropped). OUT must be ignored by git (add it to .git/info/exclude).
+pieces, the drafter to start from (tar.xz, unless the repository tracks it: the shipped one travels
+with the tree) and the data folders as token ids only (tar.xz, features dropped). OUT must be
+ignored by git (add it to .git/info/exclude).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def ids_only(folders: list[Path], dest: Path) -> None:
         print(f"{folder}: {len(records)} sequences", file=sys.stderr)
 
 
+def _tracked(folder: Path) -> bool:
+    """Whether git tracks ``folder``'s files in this repository (then every device call sends them)."""
+    out = subprocess.run(["git", "ls-files", "--", str(folder.resolve())], cwd=ROOT, capture_output=True, text=True)
+    return out.returncode == 0 and any(line.endswith("model.safetensors") for line in out.stdout.splitlines())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -71,7 +78,10 @@ def main() -> int:
                        check=True)
         ids_only(a.data, tmp / "ids")
         small = []  # (name, path): files that must arrive before the last call
-        for name, src in (("ids.tar.xz", tmp / "ids"), ("drafter.tar.xz", a.drafter)):
+        packed = [("ids.tar.xz", tmp / "ids")]
+        if not _tracked(a.drafter):  # a drafter in the repository travels with the tree (gpu_setup_run.sh)
+            packed.append(("drafter.tar.xz", a.drafter))
+        for name, src in packed:
             with tarfile.open(tmp / name, "w:xz") as tar:
                 tar.add(src, arcname="ids" if name == "ids.tar.xz" else "drafter",
                         filter=lambda t: None if t.name.endswith("datastore.safetensors") else t)
