@@ -308,7 +308,7 @@ def add_parser(sub) -> None:
 
     b = sub.add_parser("bench", help="benchmark strategies on a prompt suite",
                        description="Run every strategy on every prompt, interleaved; write results.json, "
-                                   "results.md, rounds.csv and PNG plots.")
+                                   "results.md, rounds.csv.gz and PNG plots.")
     b.add_argument("--prompts", type=Path, default=EVAL_PROMPTS, help="JSON {category: [prompt, ...]}")
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
                    "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "

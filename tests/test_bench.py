@@ -1,6 +1,8 @@
 """The benchmark harness end to end on a tiny random model, and its input checks (exit 2, no model)."""
 
 import argparse
+import csv
+import gzip
 import json
 
 import pytest
@@ -75,8 +77,10 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
 
     md = (out / "results.md").read_text()
     assert "| fixed:16 |" in md and "hf_prompt_lookup" in md and res["command"] in md
-    rounds = (out / "rounds.csv").read_text().splitlines()
-    assert rounds[0].startswith("strategy,category,prompt") and len(rounds) > 5 * 2 * 5
+    with gzip.open(out / "rounds.csv.gz", "rt") as fh:
+        rounds = list(csv.DictReader(fh))
+    assert len(rounds) > 5 * 2 * 5 and {r["strategy"] for r in rounds} >= {"ar", "chain", "bastion"}
+    assert all(float(r["measured_s"]) > 0 and int(r["tree_size"]) >= 1 for r in rounds)
     for png in ("speedup_by_category.png", "tau_vs_tree_size.png", "verify_latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| bastion |" in capsys.readouterr().out
