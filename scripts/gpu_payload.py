@@ -118,7 +118,10 @@ def main() -> int:
     print("\ncalls (carry the named folder; issue each within 30 s of the last one's end):")
     for i in range(1, n):
         print(f"  {i}. carry {a.out}/part{i}: {copy.format(p=f'{a.out}/part{i}')}")
-    print(f"  {n}. carry {a.out}/part{n}: {copy.format(p=f'{a.out}/part{n}')} && bash scripts/gpu_setup_run.sh /tmp/w $OUT")
+    # a tracked drafter is not packed: the last call names it (gpu_setup_run.sh copies it from the tree)
+    start = "" if not _tracked(a.drafter) else f"DRAFTER={a.drafter.resolve().relative_to(ROOT)} "
+    print(f"  {n}. carry {a.out}/part{n}: {copy.format(p=f'{a.out}/part{n}')} && "
+          f"{start}bash scripts/gpu_setup_run.sh /tmp/w $OUT")
     return 0
 
 
