@@ -67,6 +67,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"{a.out} is not empty")
+    tracked = _tracked(a.drafter)
     budget = int((64 - a.tree_mib - 0.5) * MIB)  # half a MiB of slack
     if budget < 8 * MIB:
         ap.error(f"--tree-mib {a.tree_mib}: too little room left in a 64 MiB call")
@@ -79,7 +80,7 @@ def main() -> int:
         ids_only(a.data, tmp / "ids")
         small = []  # (name, path): files that must arrive before the last call
         packed = [("ids.tar.xz", tmp / "ids")]
-        if not _tracked(a.drafter):  # a drafter in the repository travels with the tree (gpu_setup_run.sh)
+        if not tracked:  # a drafter in the repository travels with the tree (gpu_setup_run.sh)
             packed.append(("drafter.tar.xz", a.drafter))
         for name, src in packed:
             with tarfile.open(tmp / name, "w:xz") as tar:
@@ -119,7 +120,7 @@ def main() -> int:
     for i in range(1, n):
         print(f"  {i}. carry {a.out}/part{i}: {copy.format(p=f'{a.out}/part{i}')}")
     # a tracked drafter is not packed: the last call names it (gpu_setup_run.sh copies it from the tree)
-    start = "" if not _tracked(a.drafter) else f"DRAFTER={a.drafter.resolve().relative_to(ROOT)} "
+    start = "" if not tracked else f"DRAFTER={a.drafter.resolve().relative_to(ROOT)} "
     print(f"  {n}. carry {a.out}/part{n}: {copy.format(p=f'{a.out}/part{n}')} && "
           f"{start}bash scripts/gpu_setup_run.sh /tmp/w $OUT")
     return 0

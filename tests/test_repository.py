@@ -33,8 +33,9 @@ def test_tracked_files_leave_room_for_a_gpu_call():
 
 
 def test_no_large_file_but_the_drafter():
-    big = [f"{p.relative_to(ROOT)} ({p.stat().st_size / 2**20:.1f} MiB)" for p in tracked_files()
+    files = tracked_files()
+    big = [f"{p.relative_to(ROOT)} ({p.stat().st_size / 2**20:.1f} MiB)" for p in files
            if p.stat().st_size > FILE_LIMIT_MIB * 2**20]
     assert not big, f"files over {FILE_LIMIT_MIB} MiB: {', '.join(big)}"
-    uncompressed_logs = [str(p.relative_to(ROOT)) for p in tracked_files() if p.name == "rounds.csv"]
+    uncompressed_logs = [str(p.relative_to(ROOT)) for p in files if p.name == "rounds.csv"]
     assert not uncompressed_logs, f"commit per-round logs as rounds.csv.gz (bastion/report.py): {uncompressed_logs}"
