@@ -17,12 +17,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=None, help="default 7860 (or $GRADIO_SERVER_PORT)")
     ap.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
     ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the short warm-up generation (run in the background while the page starts)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     runtime = Runtime.load(a.model, a.device)  # once per process; every session shares it
-    if not a.no_warmup:
-        runtime.warmup()
+    if not a.no_warmup:  # beside the server: the page answers meanwhile, a run waits for it at the lock
+        runtime.warmup_in_background()
     launch(create_app(runtime), a.host, a.port)
 
 

@@ -356,7 +356,8 @@ class Engine:
         forward over 3 rows can cost more than over 5, and the engine then runs small trees padded.
         (2) C(n)'s slope: online calibration fits C(n) from the rounds that ran, but a slope needs
         different n; after AR rounds only (n = 1), or on a fresh engine, C(n) would come from the
-        analytic prior alone. Sizes are timed in passes (a warm-up pass, then ``repeats`` timed ones,
+        analytic prior alone. The timings fed to the model are also kept as its anchors
+        (:attr:`LatencyModel.anchors`), fed in again whenever its window alone cannot tell the slope. Sizes are timed in passes (a warm-up pass, then ``repeats`` timed ones,
         each in a rotated order so drift hits every size alike); each size keeps its median time.
         (Its fastest, used until session 14, is an extreme value: on a loaded host a lucky pass made
         10 rows look cheaper than 8 or 9 and two rows cheaper than one, and the table padded trees
@@ -386,17 +387,22 @@ class Engine:
         target.reset()
         best = {s: statistics.median(v) for s, v in times.items()}
         self.padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
-        self.latency.observe_many([(s, context, best[s]) for s in sorted(set(self.padding.padded) | set(sizes))])
+        self.latency.observe_many([(s, context, best[s]) for s in sorted(set(self.padding.padded) | set(sizes))],
+                                 anchor=True)
 
     def prepare(self, cfg: GenerationConfig) -> None:
         """One-time work a run needs before its clock starts: a drafting run on an engine that has not
-        measured its row costs, or a Bastion run whose latency window cannot tell C(n)'s slope, probes
-        them (:meth:`probe_latency`); a run that re-weights children builds the datastore's count
-        tables. ``generate`` calls this itself; a caller that times or snapshots
-        the engine around ``generate`` (the app) calls it first."""
+        measured its row costs, or a Bastion run whose latency model cannot tell C(n)'s slope, probes
+        them (:meth:`probe_latency`) — once per engine: the latency model keeps the probe's timings and
+        feeds them in again (:meth:`LatencyModel.reanchor`) when a long AR run has pushed them out of
+        its window, instead of a new probe (~10 s of the embedded target on a 2-core CPU, where the
+        timings barely move between requests); a run that re-weights children builds the
+        datastore's count tables. ``generate`` calls this itself; a caller that times or snapshots the
+        engine around ``generate`` (the app) calls it first."""
         if cfg.strategy == "ar":
             return
-        if (cfg.pad_rows and self.padding is None) or (cfg.strategy == "bastion" and not self.latency.slope_identified()):
+        slope_lost = cfg.strategy == "bastion" and not self.latency.slope_identified()
+        if (cfg.pad_rows and self.padding is None) or (slope_lost and not self.latency.reanchor()):
             self.probe_latency()
         if self._conditions(cfg):
             self.datastore.prepare_successors()

@@ -150,6 +150,15 @@ def hardware_for(device: torch.device | str, dtype: torch.dtype) -> HardwareSpec
     return measure_device(device, dtype)
 
 
+SLOPE_RATIO = 4.0  # tree sizes this far apart identify C(n)'s slope
+
+
+def _spans(points: list[tuple[int, int, float]], ratio: float = SLOPE_RATIO) -> bool:
+    """Whether the points' tree sizes lie at least ``ratio`` apart (so a fit can tell the slope)."""
+    sizes = [s for s, _, _ in points]
+    return bool(sizes) and max(sizes) >= ratio * min(sizes)
+
+
 @dataclass
 class _Branch:
     alpha: float = 1.0
@@ -182,6 +191,10 @@ class LatencyModel:
     shape: dict[int, float] = field(default_factory=dict)  # ρ(s): running measured / roofline per row count
     shape_rate: float = 0.2
     refit_every: int = 4  # α, β refitted every this many samples (every one while the window is short)
+    # The engine's probe timings (observe_many(..., anchor=True)), kept beside the window: once a run
+    # of AR steps has pushed them out (only n = 1 left), reanchor() feeds them in again, so one probe
+    # serves an engine's whole life instead of being repeated after every long AR run.
+    anchors: list[tuple[int, int, float]] = field(default_factory=list)
     _unfit: int = field(default=0, repr=False)  # samples since the last refit
 
     # ------------------------------------------------------------- prediction
@@ -232,10 +245,13 @@ class LatencyModel:
         old = self.shape.get(int(s))
         self.shape[int(s)] = ratio if old is None else old + self.shape_rate * (ratio - old)
 
-    def observe_many(self, points: list[tuple[int, int, float]]) -> None:
+    def observe_many(self, points: list[tuple[int, int, float]], anchor: bool = False) -> None:
         """Several timings at once (the engine's probe): observed in turn, then every ρ(s) set afresh
         against the final fit (left as observed, the first sizes' ratios would be taken against an
-        early fit)."""
+        early fit). ``anchor``: also keep them as :attr:`anchors` (replacing earlier ones), for
+        :meth:`reanchor` once the window has moved past them."""
+        if anchor:
+            self.anchors = [(int(s), int(c), float(t)) for s, c, t in points]
         for s, c, seconds in points:
             self.observe(s, c, seconds)
         self._refit()
@@ -251,11 +267,12 @@ class LatencyModel:
 
     def _refit(self, iterations: int = 3) -> None:
         self._unfit = 0
-        n = len(self.samples)
+        points = self.samples
+        n = len(points)
         weights = [self.decay ** (n - 1 - i) for i in range(n)]
-        xs_c = [self.t_comp(s, c) for s, c, _ in self.samples]
-        xs_m = [self.t_mem(s, c) for s, c, _ in self.samples]
-        ts = [t for _, _, t in self.samples]
+        xs_c = [self.t_comp(s, c) for s, c, _ in points]
+        xs_m = [self.t_mem(s, c) for s, c, _ in points]
+        ts = [t for _, _, t in points]
         last = None
         for _ in range(iterations):
             on_comp = [self.compute.alpha * a + self.compute.beta >= self.memory.alpha * b + self.memory.beta
@@ -268,13 +285,23 @@ class LatencyModel:
                 if pts:  # the ridge pulls toward the analytic prior α = 1, not the last fit (no drift)
                     branch.alpha, branch.beta = _fit_line(pts, 1.0, self.ridge)
 
-    def slope_identified(self, ratio: float = 4.0) -> bool:
+    def slope_identified(self, ratio: float = SLOPE_RATIO) -> bool:
         """Whether the window holds tree sizes at least ``ratio`` apart: only then does the fit know
         how C(n) grows with n. AR rounds (all n = 1) or a run of equal trees leave the slope to the
         analytic prior, which on a CPU can be off several-fold (a large square matrix product reaches
-        a higher rate than a forward pass over a few rows): see Engine.probe_latency."""
-        sizes = [s for s, _, _ in self.samples]
-        return bool(sizes) and max(sizes) >= ratio * min(sizes)
+        a higher rate than a forward pass over a few rows): see Engine.probe_latency and
+        :meth:`reanchor`."""
+        return _spans(self.samples, ratio)
+
+    def reanchor(self) -> bool:
+        """Feed the probe's kept timings (:attr:`anchors`) to the window again, as the probe did, when
+        they can tell the slope; False when there are none such (the caller then probes). After a long
+        run of AR steps this restores what a new probe would, without its forwards — the fit then
+        carries them through the next rounds exactly as it carried the probe's own samples."""
+        if not _spans(self.anchors):
+            return False
+        self.observe_many(list(self.anchors))
+        return True
 
     def relative_error(self) -> float | None:
         """Median |predicted − measured| / measured over the current window (None if empty)."""
@@ -288,7 +315,7 @@ class LatencyModel:
         return {"model": asdict(self.model), "hardware": asdict(self.hardware),
                 "compute": asdict(self.compute), "memory": asdict(self.memory),
                 "draft_s": self.draft_s, "overhead_s": self.overhead_s,
-                "samples": self.samples, "calibrated": self.calibrated,
+                "samples": self.samples, "anchors": self.anchors, "calibrated": self.calibrated,
                 "shape": {str(s): r for s, r in sorted(self.shape.items())}}
 
     @classmethod
@@ -296,6 +323,7 @@ class LatencyModel:
         lm = cls(ModelSpec(**d["model"]), HardwareSpec(**d["hardware"]), _Branch(**d["compute"]),
                  _Branch(**d["memory"]), float(d.get("draft_s", 0.0)), float(d.get("overhead_s", 0.0)))
         lm.samples = [tuple(x) for x in d.get("samples", [])]
+        lm.anchors = [tuple(x) for x in d.get("anchors", [])]
         lm.calibrated = bool(d.get("calibrated", bool(lm.samples)))
         lm.shape = {int(s): float(r) for s, r in d.get("shape", {}).items()}  # JSON keys are strings
         return lm

@@ -236,6 +236,17 @@ def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
     assert records[0]["calib"] != before and records[0]["calib"]["padded"] == padding.padded
     assert {s for s, _, _ in lat.samples} >= probed
     assert records[1]["calib"] != records[0]["calib"]  # each record carries the state its round used
+    # and only once per engine: after an AR run long enough to push every probe sample out of the
+    # window, the next Bastion run gets the probe's kept timings back instead of a new probe
+    probes = []
+    real_probe = rt.engine.probe_latency
+    rt.engine.probe_latency = lambda *a, **k: (probes.append(1), real_probe(*a, **k))
+    lat.window = len(probed)
+    list(rt.stream(ids, GenerationConfig(strategy="ar", max_new_tokens=len(probed) + 2)))
+    # (one size only: AR's single row, or the row count the probe's table pads it to on this host)
+    assert len({s for s, _, _ in lat.samples}) == 1 and not lat.slope_identified()
+    rt.engine.prepare(GenerationConfig(strategy="bastion"))
+    assert probes == [] and lat.slope_identified() and {s for s, _, _ in lat.samples} == probed
 
 
 def test_whatif_text_warns_when_the_engine_conditioned_the_tree():
@@ -247,3 +258,37 @@ def test_whatif_text_warns_when_the_engine_conditioned_the_tree():
     plain = whatif_markdown(rec, plan, THIS_MACHINE)
     assert "n-grams" not in plain and "**2** nodes" in plain
     assert "datastore's n-grams" in whatif_markdown({**rec, "conditioned": True}, plan, THIS_MACHINE)
+
+
+def test_background_warmup_probes_and_a_run_waits_for_it(caplog):
+    """app.py warms up beside the server: the warm-up probes the latency model under the lock, and a
+    run that starts meanwhile waits for it, then runs whole (neither is superseded by the other)."""
+    rt = tiny_runtime()
+    entered, release = threading.Event(), threading.Event()
+    real_probe = rt.engine.probe_latency
+
+    def slow_probe(*args, **kwargs):
+        entered.set()
+        release.wait(10)  # hold the warm-up inside its probe while the run below starts
+        return real_probe(*args, **kwargs)
+
+    rt.engine.probe_latency = slow_probe
+    thread = rt.warmup_in_background()
+    assert entered.wait(10) and rt.lock.locked()
+    got = []
+    runner = threading.Thread(target=lambda: got.extend(rt.stream(rt.encode("hi"), GenerationConfig(
+        strategy="bastion", max_new_tokens=4))))
+    runner.start()
+    runner.join(0.3)
+    assert runner.is_alive() and not got  # waiting at the lock
+    release.set()
+    thread.join(30)
+    runner.join(30)
+    assert not thread.is_alive() and not runner.is_alive()
+    assert rt.engine.padding is not None and got and got[-1]["generated"] == 4
+
+    broken = tiny_runtime()
+    broken.engine.generate = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("no memory"))
+    with caplog.at_level("ERROR"):
+        broken.warmup_in_background().join(10)
+    assert "warm-up failed" in caplog.text and not broken.lock.locked()

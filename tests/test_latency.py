@@ -50,6 +50,38 @@ def test_single_size_keeps_prior_slope():
     assert lm.compute.alpha > 0 and lm.memory.alpha > 0
 
 
+def test_probe_anchors_restore_the_slope_after_a_long_ar_run(tmp_path):
+    """The probe's timings (anchors) are fed in again once AR steps (n = 1) fill the window: the
+    prediction for a large tree comes back near the truth, where the window alone falls back to the
+    analytic prior (several-fold off on a CPU-like curve); they survive save/load."""
+    hw = HardwareSpec("fake", 200e9, 25e9)
+
+    def truth(s):  # a forward over a few rows far below the square-product rate the prior assumes
+        return 0.030 + 0.0025 * s
+
+    probe = [(s, 128, truth(s)) for s in (1, 2, 4, 8, 16, 32, 64)]
+    lm = LatencyModel(spec(), hw, window=32)
+    lm.observe_many(probe, anchor=True)
+    assert lm.slope_identified() and lm.anchors == probe
+    for i in range(40):  # a long AR run pushes every probe sample out of the window
+        lm.observe(1, 128 + i, truth(1))
+    assert {s for s, _, _ in lm.samples} == {1} and not lm.slope_identified()
+    lost = abs(lm.predict(32, 160) - truth(32)) / truth(32)
+    lm.save(tmp_path / "cal.json")
+    back = LatencyModel.load(tmp_path / "cal.json")
+    assert back.anchors == lm.anchors
+    assert back.reanchor() and back.slope_identified() and back.anchors == probe  # fed in, not replaced
+    found = abs(back.predict(32, 160) - truth(32)) / truth(32)
+    assert found < 0.1 < lost, (found, lost)
+    assert abs(back.predict(1, 160) - truth(1)) / truth(1) < 0.05
+    plain = LatencyModel(spec(), hw)
+    plain.observe_many(probe)  # not kept as anchors: nothing to feed in again
+    assert not plain.anchors and not plain.reanchor()
+    close = LatencyModel(spec(), hw)
+    close.observe_many(probe[:2], anchor=True)  # sizes 1 and 2 only: too close to tell a slope
+    assert not close.reanchor() and len(close.samples) == 2
+
+
 def test_save_load_round_trip(tmp_path):
     lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9))
     for s in (1, 8, 32):
