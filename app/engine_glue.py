@@ -229,26 +229,13 @@ class Runtime:
     def warmup(self) -> None:
         """A few tokens per strategy so the first measured run is not paying one-time costs (the
         first Bastion run also lets the engine probe C(n) at a few tree sizes: most of the ~15 s this
-        takes on a 2-core CPU). Holds the lock throughout, so a run that arrives meanwhile waits for it
-        instead of interleaving with it."""
+        takes on a 2-core CPU). Holds the lock throughout, so a run that arrives meanwhile (app.py warms
+        up once the page is served) waits for it instead of interleaving with it."""
         ids = self.encode("Hello")
         with self.lock:
             for strategy in (("ar", "bastion") if self.has_drafter else ("ar",)):
                 for _ in self.engine.generate(ids, GenerationConfig(strategy=strategy, max_new_tokens=8)):
                     pass
-
-    def warmup_in_background(self) -> threading.Thread:
-        """:meth:`warmup` on a daemon thread, so the page is served while it runs; a failure is
-        logged (the first real run then pays the one-time costs itself)."""
-        def run() -> None:
-            try:
-                self.warmup()
-            except Exception:  # noqa: BLE001 - a warm-up must never take the server down
-                log.exception("warm-up failed")
-
-        thread = threading.Thread(target=run, name="bastion-warmup", daemon=True)
-        thread.start()
-        return thread
 
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
         """Step records of one generation; the engine runs only inside ``next()``, under the lock."""
