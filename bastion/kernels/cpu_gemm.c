@@ -198,21 +198,46 @@ void bastion_gemm_bf16(const uint32_t *x, int64_t R, const uint16_t *wp, int64_t
  * heads of one KV head (grouped-query attention: 3 per KV head in SmolLM2) run together, up to four
  * at a time, so they share the key list and every key and value load; per head the arithmetic and
  * its order are unchanged (measured 7-32% faster on one thread at 2-9 queries over 160-400 keys,
- * bit-identical to one head at a time).
+ * bit-identical to one head at a time). The scores of four keys are summed across their lanes
+ * together (sum4: two rounds of pairwise adds, no scalar lane extraction), and the head's query and
+ * weight vectors sit in registers while each key and value vector is loaded once: 12 accumulators,
+ * 3 queries and one key fill AVX2's 16 registers for SmolLM2's 3 heads per KV head, where the
+ * compiler had reloaded every key per head and spilled accumulators (session 21, one thread on the
+ * Zen 3 without AVX-512, 9 query / 3 KV heads of 64, interleaved medians: 9 queries over 300 keys
+ * 272 -> 190 us, over 1,200 keys 980 -> 589 us, one query over 300 keys 40 -> 31 us; 4 heads per
+ * KV head 794 -> 579 us over 1,200 keys; one head per KV head unchanged).
  * q [H, n, d] (strides qh, qn), k / v [G, L, d] (strides kg, kl / vg, vl), mask [n, L] (stride mn) or
  * NULL (every key visible), out [n, H, d] contiguous. Returns -1 when scratch memory runs out.
  */
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 #define SPLAT8(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
 
-/* one dot product: 8 lanes over d, then a fixed pairwise sum of the lanes */
+/* one dot product: 8 lanes over d, then the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)) - the order
+ * sum4 below gives four dot products at once, so a key's score is the same on either path */
 static inline float dot_f32(const float *a, const float *b, int64_t d) {
     v8 acc = (v8){0};
     int64_t t = 0;
     for (; t + 8 <= d; t += 8) acc += *(const v8 *)(a + t) * *(const v8 *)(b + t);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; t < d; t++) s += a[t] * b[t];
     return s;
+}
+
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+#if defined(__clang__)
+#define SHUF8(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define SHUF8(a, b, ...) __builtin_shuffle((a), (b), (vi8){__VA_ARGS__})
+#endif
+
+/* the lane sums of four accumulators, each ((0+1)+(2+3))+((4+5)+(6+7)) as dot_f32: two rounds of
+ * pairwise adds across the vectors (what x86's haddps does within each 128-bit half), then the halves */
+static inline v4 sum4(v8 r0, v8 r1, v8 r2, v8 r3) {
+    v8 t01 = SHUF8(r0, r1, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(r0, r1, 1, 3, 9, 11, 5, 7, 13, 15);
+    v8 t23 = SHUF8(r2, r3, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(r2, r3, 1, 3, 9, 11, 5, 7, 13, 15);
+    v8 u = SHUF8(t01, t23, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(t01, t23, 1, 3, 9, 11, 5, 7, 13, 15);
+    /* u = [r0 0123, r1 0123, r2 0123, r3 0123 | r0 4567, r1 4567, r2 4567, r3 4567] */
+    return (v4){u[0], u[1], u[2], u[3]} + (v4){u[4], u[5], u[6], u[7]};
 }
 
 /* exp(x) for x <= 0 to ~2 ulp: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^k from
@@ -251,24 +276,25 @@ score_heads(float *s, int64_t cap, float *m, const float *const *qr, int NH, con
             for (int p = 0; p < NH; p++)
                 for (int e = 0; e < 4; e++) a[p][e] = (v8){0};
             for (int64_t u = 0; u < d; u += 8) {
-                v8 x0 = *(const v8 *)(k0 + u), x1 = *(const v8 *)(k1 + u);
-                v8 x2 = *(const v8 *)(k2 + u), x3 = *(const v8 *)(k3 + u);
-                for (int p = 0; p < NH; p++) {
-                    v8 qv = *(const v8 *)(qr[p] + u);
-                    a[p][0] += qv * x0;
-                    a[p][1] += qv * x1;
-                    a[p][2] += qv * x2;
-                    a[p][3] += qv * x3;
-                }
+                /* the heads' query vectors in registers, each key vector loaded once and used by every
+                 * head: with 3 heads, 12 accumulators + 3 queries + 1 key fill AVX2's 16 registers */
+                v8 qv[4];
+                for (int p = 0; p < NH; p++) qv[p] = *(const v8 *)(qr[p] + u);
+                v8 x = *(const v8 *)(k0 + u);
+                for (int p = 0; p < NH; p++) a[p][0] += qv[p] * x;
+                x = *(const v8 *)(k1 + u);
+                for (int p = 0; p < NH; p++) a[p][1] += qv[p] * x;
+                x = *(const v8 *)(k2 + u);
+                for (int p = 0; p < NH; p++) a[p][2] += qv[p] * x;
+                x = *(const v8 *)(k3 + u);
+                for (int p = 0; p < NH; p++) a[p][3] += qv[p] * x;
             }
-            for (int p = 0; p < NH; p++)
-                for (int e = 0; e < 4; e++) { /* dot_f32's lane order */
-                    v8 av = a[p][e];
-                    float x = (((av[0] + av[4]) + (av[1] + av[5])) + ((av[2] + av[6]) + (av[3] + av[7]))) * scale
-                              + (mr ? mr[idx[t + e]] : 0.f);
-                    s[p * cap + t + e] = x;
-                    m[p] = x > m[p] ? x : m[p];
-                }
+            v4 bias = mr ? (v4){mr[idx[t]], mr[idx[t + 1]], mr[idx[t + 2]], mr[idx[t + 3]]} : (v4){0};
+            for (int p = 0; p < NH; p++) { /* dot_f32's lane order */
+                v4 x = sum4(a[p][0], a[p][1], a[p][2], a[p][3]) * scale + bias;
+                memcpy(s + p * cap + t, &x, sizeof(v4));
+                for (int e = 0; e < 4; e++) m[p] = x[e] > m[p] ? x[e] : m[p];
+            }
         }
     for (; t < c; t++) /* the same sums, one key at a time */
         for (int p = 0; p < NH; p++) {
@@ -288,14 +314,13 @@ weigh_heads(float *o, int64_t ostride, const float *w, int64_t cap, int NH, cons
         for (int p = 0; p < NH; p++)
             for (int u = 0; u < 4; u++) acc[p][u] = (v8){0};
         for (int64_t t = 0; t < c; t++) {
+            /* as in score_heads: the heads' weights in registers, each value vector loaded once */
             const float *vr = vb + idx[t] * vl + 8 * u0;
-            v8 y0 = *(const v8 *)vr, y1 = *(const v8 *)(vr + 8), y2 = *(const v8 *)(vr + 16), y3 = *(const v8 *)(vr + 24);
-            for (int p = 0; p < NH; p++) {
-                v8 pv = SPLAT8(w[p * cap + t]);
-                acc[p][0] += pv * y0;
-                acc[p][1] += pv * y1;
-                acc[p][2] += pv * y2;
-                acc[p][3] += pv * y3;
+            v8 pv[4];
+            for (int p = 0; p < NH; p++) pv[p] = SPLAT8(w[p * cap + t]);
+            for (int u = 0; u < 4; u++) {
+                v8 y = *(const v8 *)(vr + 8 * u);
+                for (int p = 0; p < NH; p++) acc[p][u] += pv[p] * y;
             }
         }
         for (int p = 0; p < NH; p++)
