@@ -296,12 +296,34 @@ class LatencyModel:
     def reanchor(self) -> bool:
         """Feed the probe's kept timings (:attr:`anchors`) to the window again, as the probe did, when
         they can tell the slope; False when there are none such (the caller then probes). After a long
-        run of AR steps this restores what a new probe would, without its forwards — the fit then
-        carries them through the next rounds exactly as it carried the probe's own samples."""
+        run of AR steps, or of trees of one size, this restores what a new probe would without its
+        forwards: the timings keep the probe's shape (how cost grows with rows) and are scaled to the
+        host's present speed (:meth:`anchor_scale`) — fed as measured, half an hour after the probe,
+        they priced trees of 7–13 rows 10–25% low in the rounds that followed (bench/NOTES.md)."""
         if not _spans(self.anchors):
             return False
-        self.observe_many(list(self.anchors))
+        k = self.anchor_scale()
+        self.observe_many([(s, c, t * k) for s, c, t in self.anchors])
         return True
+
+    def anchor_scale(self) -> float:
+        """k = median over the window of measured / anchored time: the anchors' time at a sample's row
+        count (linear between the anchored counts, the nearest beyond), carried from the probe's context
+        to the sample's by the roofline's own ratio C(s, c) / C(s, c_probe). 1 with no window."""
+        by_size = sorted((s, c, t) for s, c, t in self.anchors)
+        if not by_size or not self.samples:
+            return 1.0
+        ratios = []
+        for s, c, t in self.samples:
+            lo = max((a for a in by_size if a[0] <= s), default=by_size[0])
+            hi = min((a for a in by_size if a[0] >= s), default=by_size[-1])
+            w = 0.0 if hi[0] == lo[0] else (s - lo[0]) / (hi[0] - lo[0])
+            anchored = (1.0 - w) * lo[2] + w * hi[2]
+            anchored *= self.roofline(s, c) / max(self.roofline(s, lo[1]), 1e-12)
+            if anchored > 0:
+                ratios.append(t / anchored)
+        ratios.sort()
+        return ratios[len(ratios) // 2] if ratios else 1.0
 
     def relative_error(self) -> float | None:
         """Median |predicted − measured| / measured over the current window (None if empty)."""

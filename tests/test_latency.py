@@ -74,6 +74,17 @@ def test_probe_anchors_restore_the_slope_after_a_long_ar_run(tmp_path):
     found = abs(back.predict(32, 160) - truth(32)) / truth(32)
     assert found < 0.1 < lost, (found, lost)
     assert abs(back.predict(1, 160) - truth(1)) / truth(1) < 0.05
+    # a host that has slowed by a fifth since the probe: the anchors keep their shape, take its speed
+    slow = LatencyModel(spec(), hw, window=32)
+    slow.observe_many(probe, anchor=True)
+    for i in range(40):
+        slow.observe(9, 200 + i, 1.2 * truth(9))  # trees of one size only: the slope is lost again
+    assert not slow.slope_identified() and abs(slow.anchor_scale() - 1.2) < 0.03
+    assert slow.reanchor()
+    for s in (2, 6, 16, 32):
+        assert abs(slow.predict(s, 200) - 1.2 * truth(s)) / (1.2 * truth(s)) < 0.08, s
+    assert slow.anchors == probe  # kept as measured; only what is fed in is scaled
+    assert LatencyModel(spec(), hw).anchor_scale() == 1.0
     plain = LatencyModel(spec(), hw)
     plain.observe_many(probe)  # not kept as anchors: nothing to feed in again
     assert not plain.anchors and not plain.reanchor()
