@@ -357,13 +357,14 @@ class Engine:
         (2) C(n)'s slope: online calibration fits C(n) from the rounds that ran, but a slope needs
         different n; after AR rounds only (n = 1), or on a fresh engine, C(n) would come from the
         analytic prior alone. The timings fed to the model are also kept as its anchors
-        (:attr:`LatencyModel.anchors`), fed in again whenever its window alone cannot tell the slope. Sizes are timed in passes (a warm-up pass, then ``repeats`` timed ones,
-        each in a rotated order so drift hits every size alike); each size keeps its median time.
-        (Its fastest, used until session 14, is an extreme value: on a loaded host a lucky pass made
-        10 rows look cheaper than 8 or 9 and two rows cheaper than one, and the table padded trees
-        and AR's steps to row counts that cost more in the run that followed; bench/NOTES.md.) The
-        latency model is fed the sizes padding keeps plus ``sizes``. A few seconds for the embedded
-        target on 2 CPU cores. Leaves the cache empty.
+        (:attr:`LatencyModel.anchors`), fed in again, scaled to the host's present speed, whenever
+        its window alone cannot tell the slope. Sizes are timed in passes (a warm-up pass, then
+        ``repeats`` timed ones, each in a rotated order so drift hits every size alike); each size
+        keeps its median time. (Its fastest, used until session 14, is an extreme value: on a loaded
+        host a lucky pass made 10 rows look cheaper than 8 or 9 and two rows cheaper than one, and the
+        table padded trees and AR's steps to row counts that cost more in the run that followed;
+        bench/NOTES.md.) The latency model is fed the sizes padding keeps plus ``sizes``. For the
+        embedded target on 2 CPU cores a few seconds (~12 s on an AVX2 one). Leaves the cache empty.
         """
         target = self.target
         max_rows = max(1, min(max_rows, target.max_positions - 2))
@@ -394,9 +395,9 @@ class Engine:
         """One-time work a run needs before its clock starts: a drafting run on an engine that has not
         measured its row costs, or a Bastion run whose latency model cannot tell C(n)'s slope, probes
         them (:meth:`probe_latency`) — once per engine: the latency model keeps the probe's timings and
-        feeds them in again (:meth:`LatencyModel.reanchor`) when a long AR run has pushed them out of
-        its window, instead of a new probe (~10 s of the embedded target on a 2-core CPU, where the
-        timings barely move between requests); a run that re-weights children builds the
+        feeds them in again at the host's present speed (:meth:`LatencyModel.reanchor`) when a long
+        AR run has pushed them out of its window, instead of a new probe (~12 s of the embedded target
+        on a 2-core AVX2 CPU, paid each time by whoever waits); a run that re-weights children builds the
         datastore's count tables. ``generate`` calls this itself; a caller that times or snapshots the
         engine around ``generate`` (the app) calls it first."""
         if cfg.strategy == "ar":

@@ -192,8 +192,8 @@ class LatencyModel:
     shape_rate: float = 0.2
     refit_every: int = 4  # α, β refitted every this many samples (every one while the window is short)
     # The engine's probe timings (observe_many(..., anchor=True)), kept beside the window: once a run
-    # of AR steps has pushed them out (only n = 1 left), reanchor() feeds them in again, so one probe
-    # serves an engine's whole life instead of being repeated after every long AR run.
+    # of AR steps or of similar trees has pushed them out (sizes left < 4x apart), reanchor() feeds
+    # them in again at the host's present speed, so one probe serves an engine's whole life.
     anchors: list[tuple[int, int, float]] = field(default_factory=list)
     _unfit: int = field(default=0, repr=False)  # samples since the last refit
 
@@ -267,12 +267,11 @@ class LatencyModel:
 
     def _refit(self, iterations: int = 3) -> None:
         self._unfit = 0
-        points = self.samples
-        n = len(points)
+        n = len(self.samples)
         weights = [self.decay ** (n - 1 - i) for i in range(n)]
-        xs_c = [self.t_comp(s, c) for s, c, _ in points]
-        xs_m = [self.t_mem(s, c) for s, c, _ in points]
-        ts = [t for _, _, t in points]
+        xs_c = [self.t_comp(s, c) for s, c, _ in self.samples]
+        xs_m = [self.t_mem(s, c) for s, c, _ in self.samples]
+        ts = [t for _, _, t in self.samples]
         last = None
         for _ in range(iterations):
             on_comp = [self.compute.alpha * a + self.compute.beta >= self.memory.alpha * b + self.memory.beta
