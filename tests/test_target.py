@@ -72,3 +72,31 @@ def test_growing_layer_adopts_keys_set_from_outside():
     keys, values = layer.update(new, new)
     assert torch.equal(keys[:, :, :5], before) and torch.equal(keys[:, :, 5:], new)
     assert keys.shape[2] == values.shape[2] == 6
+
+
+@pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
+                    reason="native kernel not built here")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lean_forward_is_bit_identical_to_transformers_forward(family, monkeypatch):
+    """forward_tree's own decoder loop (CPU float32, native attention) gives the very logits and
+    feature-layer states of transformers' forward, for one row and for a tree; it steps aside for
+    more rows than the native attention takes, and models that do not qualify never use it."""
+    target = tiny_target(family, dtype=torch.float32)
+    target.set_feature_layers([1, 3])
+    kernels = get_kernels("torch")
+    assert target._lean_qualifies()
+    calls = []
+    real = target._lean_forward
+    monkeypatch.setattr(target, "_lean_forward", lambda *a: (calls.append(1), real(*a))[1])
+    for parents in ([-1], [-1, 0, 0, 1, 2], [-1] + list(range(69))):
+        outs = {}
+        for lean in (True, False):
+            target.lean = lean
+            target.prefill(torch.arange(5, 45) % 90)
+            mask, pos = kernels.tree_mask(parents, target.cache_len, target.dtype, "cpu")
+            outs[lean] = target.forward_tree((torch.arange(len(parents)) * 7 + 3) % 90, mask, pos)
+            target.commit(target.cache_len - len(parents), [])
+        assert torch.equal(outs[True].logits, outs[False].logits), parents
+        assert torch.equal(outs[True].features, outs[False].features), parents
+    assert len(calls) == 2  # the 70-row tree went through transformers' forward
+    assert not tiny_target(family, dtype=torch.float64)._lean_qualifies()  # not float32
