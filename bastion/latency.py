@@ -211,16 +211,7 @@ class LatencyModel:
 
     def shape_factor(self, s: int) -> float:
         """ρ(s): the learned ratio at s, linear between the nearest sizes seen, the nearest one's beyond."""
-        if not self.shape:
-            return 1.0
-        if s in self.shape:
-            return self.shape[s]
-        lo = max((k for k in self.shape if k < s), default=None)
-        hi = min((k for k in self.shape if k > s), default=None)
-        if lo is None or hi is None:
-            return self.shape[hi if lo is None else lo]
-        w = (s - lo) / (hi - lo)
-        return (1.0 - w) * self.shape[lo] + w * self.shape[hi]
+        return _interpolate(self.shape, s) if self.shape else 1.0
 
     def predict(self, s: int, c: int) -> float:
         """Predicted verification seconds of s rows after c context tokens: ρ(s)·C(s, c)."""
@@ -307,18 +298,15 @@ class LatencyModel:
 
     def anchor_scale(self) -> float:
         """k = median over the window of measured / anchored time: the anchors' time at a sample's row
-        count (linear between the anchored counts, the nearest beyond), carried from the probe's context
-        to the sample's by the roofline's own ratio C(s, c) / C(s, c_probe). 1 with no window."""
-        by_size = sorted((s, c, t) for s, c, t in self.anchors)
-        if not by_size or not self.samples:
+        count (:func:`_interpolate`, as ρ(s)), carried from the probe's context (one for all its
+        timings) to the sample's by the roofline's own ratio C(s, c) / C(s, c_probe). 1 with no window."""
+        if not self.anchors or not self.samples:
             return 1.0
+        times = {s: t for s, _, t in self.anchors}
+        c_probe = self.anchors[0][1]
         ratios = []
         for s, c, t in self.samples:
-            lo = max((a for a in by_size if a[0] <= s), default=by_size[0])
-            hi = min((a for a in by_size if a[0] >= s), default=by_size[-1])
-            w = 0.0 if hi[0] == lo[0] else (s - lo[0]) / (hi[0] - lo[0])
-            anchored = (1.0 - w) * lo[2] + w * hi[2]
-            anchored *= self.roofline(s, c) / max(self.roofline(s, lo[1]), 1e-12)
+            anchored = _interpolate(times, s) * self.roofline(s, c) / max(self.roofline(s, c_probe), 1e-12)
             if anchored > 0:
                 ratios.append(t / anchored)
         ratios.sort()
@@ -358,6 +346,18 @@ class LatencyModel:
 
     def curve(self, sizes: list[int], c: int) -> list[float]:
         return [self.predict(s, c) for s in sizes]
+
+
+def _interpolate(table: dict[int, float], s: int) -> float:
+    """table's value at size s: linear between the nearest sizes around it, the nearest one's beyond."""
+    if s in table:
+        return table[s]
+    lo = max((k for k in table if k < s), default=None)
+    hi = min((k for k in table if k > s), default=None)
+    if lo is None or hi is None:
+        return table[hi if lo is None else lo]
+    w = (s - lo) / (hi - lo)
+    return (1.0 - w) * table[lo] + w * table[hi]
 
 
 def _fit_line(points: list[tuple[float, float, float]], alpha_prior: float, ridge: float) -> tuple[float, float]:
