@@ -51,6 +51,17 @@ def test_fresh_self_suite_is_a_valid_suite_disjoint_and_excluded_from_training()
     assert set(fresh) <= _eval_prompt_set()
 
 
+@pytest.mark.parametrize("name", ["eval_prompts.json", "dev_prompts.json", "fresh_self_prompts.json"])
+def test_shipped_suites_are_plain_category_to_prompt_lists(name):
+    """Each shipped suite is exactly {category: [prompt, ...]}: a script that iterates it naively must
+    get whole prompts (a metadata string among the lists once gave such scripts one-character prompts)."""
+    data = json.loads((EVAL_PROMPTS.parent / name).read_text(encoding="utf-8"))
+    assert isinstance(data, dict) and data
+    for category, prompts in data.items():
+        assert isinstance(prompts, list) and prompts, category
+        assert all(isinstance(p, str) and len(p.strip()) > 10 for p in prompts), category
+
+
 @pytest.mark.parametrize("corpus", ["base", "broad"])
 def test_corpus_is_deterministic_prefix_stable_and_disjoint_from_eval(corpus):
     held_out = _eval_prompts() | _dev_prompts()
