@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .kernels import cpu_native
 from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attention
-from .kernels.cpu_linear import pack_for, prepack, skinny_linear, use_skinny_linear
+from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
 
 
 class GrowingLayer(DynamicLayer):
@@ -117,6 +117,7 @@ class Target:
         # forward_tree's own decoder loop (see _lean_forward): None until first checked, then whether
         # this model qualifies; set False to always go through transformers' forward
         self.lean: bool | None = None
+        self._plan: tuple | None = None  # the lean loop's products and what they were made from (_lean_plan)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -262,6 +263,36 @@ class Target:
         return all(type(layer).__name__ in self.LEAN_LAYERS
                    and getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
 
+    def _lean_plan(self, layers) -> list[tuple] | None:
+        """Per decoder layer its seven products (q, k, v, o, gate, up, down) as pre-checked native calls
+        (:class:`cpu_native.Product`), or None when any of them is not a float32 native
+        :class:`SkinnyLinear` (the loop then calls the modules).
+
+        Made once and remade after :func:`use_skinny_linear` changed any mode, or when a product's
+        module left the native mode or its weight object or version changed — checked every forward
+        (~60 µs for the embedded target's 210), because the plan holds its own panels and never calls
+        the modules that would repack them. The modules themselves are those of the first call: a model
+        whose linear modules are replaced after that keeps the old products."""
+        got = self._plan
+        if got is not None and got[0] is layers and got[1] == mode_changes():
+            _, _, mods, weights, versions, plan = got
+            if plan is None:  # the modules run, and repack themselves when their weights change
+                return None
+            if (all(m.__class__ is SkinnyLinear and m.native and not m.low_precision and m._parameters["weight"] is w
+                    for m, w in zip(mods, weights)) and [w._version for w in weights] == versions):
+                return plan
+        mods = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                layer.self_attn.v_proj, layer.self_attn.o_proj,
+                                                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        weights = [m._parameters["weight"] for m in mods]
+        plan = None
+        if all(type(m) is SkinnyLinear and m.native and not m.low_precision for m in mods):
+            prods = [cpu_native.Product(m.panels(), m.weight.shape[0], m.bias) for m in mods]
+            if all(p.panels.dtype == torch.float32 for p in prods):
+                plan = [tuple(prods[j:j + 7]) for j in range(0, len(prods), 7)]
+        self._plan = (layers, mode_changes(), mods, weights, [w._version for w in weights], plan)
+        return plan
+
     def _lean_forward(self, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> TargetOutput:
         """forward_tree through the decoder's own modules without transformers' forward around them.
 
@@ -279,21 +310,28 @@ class Target:
         x = dec.embed_tokens(tokens[None].to(self.device))
         cos, sin = dec.rotary_emb(x, position_ids)
         wanted = set(self._feature_layers)
+        plan = self._lean_plan(dec.layers)
+        threads = torch.get_num_threads()
         for i, layer in enumerate(dec.layers):
             attn, mlp = layer.self_attn, layer.mlp
             d = attn.head_dim
-            h = _rms_norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(1, n, -1, d)
-            k = attn.k_proj(h).view(1, n, -1, d)
+            if plan is None:
+                qp, kp, vp, op, gp, up, dp = (lambda t, _, m=m: m(t) for m in (
+                    attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            else:
+                qp, kp, vp, op, gp, up, dp = plan[i]
+            h = _rms_norm(layer.input_layernorm, x).view(n, -1)
+            q = qp(h, threads).view(1, n, -1, d)
+            k = kp(h, threads).view(1, n, -1, d)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(1, n, -1, d).transpose(1, 2)
+            v = vp(h, threads).view(1, n, -1, d).transpose(1, 2)
             k, v = self.cache.layers[i].update(k, v)
             a = cpu_native.attention_unchecked(q, k, v, mask, float(attn.scaling))
-            x = x + attn.o_proj(a.reshape(1, n, -1))
-            h = _rms_norm(layer.post_attention_layernorm, x)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            x = x + op(a.view(n, -1), threads).view(1, n, -1)
+            h = _rms_norm(layer.post_attention_layernorm, x).view(n, -1)
+            x = x + dp(mlp.act_fn(gp(h, threads)) * up(h, threads), threads).view(1, n, -1)
             if i in wanted:
                 self._captured[i] = x
         logits = self.model.get_output_embeddings()(_rms_norm(dec.norm, x))

@@ -100,3 +100,45 @@ def test_lean_forward_is_bit_identical_to_transformers_forward(family, monkeypat
         assert torch.equal(outs[True].features, outs[False].features), parents
     assert len(calls) == 2  # the 70-row tree went through transformers' forward
     assert not tiny_target(family, dtype=torch.float64)._lean_qualifies()  # not float32
+
+
+@pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
+                    reason="native kernel not built here")
+def test_lean_products_follow_weight_and_mode_changes():
+    """The lean loop calls the native products directly (``_lean_plan``), holding their panels; so a
+    weight edited in place, a replaced weight and a changed linear mode must each reach its next
+    forward. After each change, its logits equal transformers' forward through the modules."""
+    from bastion.kernels.cpu_linear import use_skinny_linear
+
+    target = tiny_target("llama", dtype=torch.float32)
+    kernels = get_kernels("torch")
+    layers = target.model.get_decoder().layers
+    parents = [-1, 0, 0, 1]
+
+    def both():
+        outs = []
+        for lean in (True, False):
+            target.lean = lean
+            target.prefill(torch.arange(5, 35) % 90)
+            mask, pos = kernels.tree_mask(parents, target.cache_len, target.dtype, "cpu")
+            outs.append(target.forward_tree(torch.tensor([3, 10, 17, 24]), mask, pos).logits)
+        assert torch.equal(outs[0], outs[1])
+        return outs[0]
+
+    first = both()
+    assert target._plan is not None and target._plan[-1] is not None  # the products ran, not the modules
+    plan = target._plan[-1]
+    with torch.no_grad():
+        layers[1].mlp.down_proj.weight.mul_(1.5)           # in place: the version counter moves
+    edited = both()
+    assert not torch.equal(first, edited) and target._plan[-1] is not plan
+    plan = target._plan[-1]
+    q = layers[2].self_attn.q_proj
+    q.weight = torch.nn.Parameter(q.weight.detach() * 0.5)  # a new weight object
+    replaced = both()
+    assert not torch.equal(edited, replaced) and target._plan[-1] is not plan
+    use_skinny_linear(target.model, "fast")                 # products through torch's routines: no plan
+    both()                                                  # (other sums, so other bits than the kernel's)
+    assert target._plan[-1] is None
+    use_skinny_linear(target.model, "native")
+    assert torch.equal(both(), replaced) and target._plan[-1] is not None

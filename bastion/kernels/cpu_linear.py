@@ -140,6 +140,16 @@ class SkinnyLinear(nn.Linear):
         return skinny_linear(x, self.weight, self.bias)
 
 
+_mode_changes = 0  # how many use_skinny_linear calls changed something (see mode_changes)
+
+
+def mode_changes() -> int:
+    """A counter that :func:`use_skinny_linear` advances whenever it changes a module's mode: callers
+    that cache a decision about modes (``target.Target._lean_plan``) compare it instead of re-reading
+    every module."""
+    return _mode_changes
+
+
 def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     """Set how every linear layer inside `module` multiplies, in place; returns the number changed.
 
@@ -168,6 +178,9 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
             if not m.native:
                 m.__dict__.pop("_panels", None)
         n += before != (type(m), getattr(m, "native", None), getattr(m, "low_precision", None))
+    if n:
+        global _mode_changes
+        _mode_changes += 1
     return n
 
 
