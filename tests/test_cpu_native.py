@@ -328,3 +328,84 @@ def test_move_rows_equals_torchs_gather_and_refuses_what_it_cannot_move():
         cpu_native.move_rows(tensors, [7, 5], [5, 6])
     with pytest.raises(ValueError, match="increasing"):
         cpu_native.move_rows(tensors, [5, 7], [5, 8])
+
+
+@pytest.mark.parametrize("n", [576, 64, 37, 8, 3])
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_rms_norm_equals_transformers_norm_and_is_row_invariant(n, rows):
+    """The native RMSNorm is transformers' Llama RMSNorm to float rounding, each row on its own (rows
+    alone, in any batch and in a parallel call of ≥ 64 rows give the same bits)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(n + rows)
+    norm = LlamaRMSNorm(n, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g))
+    x = torch.randn(rows, n, generator=g) * 3
+    with torch.no_grad():
+        want = norm(x)
+        got = cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=2e-6, atol=2e-6)
+    alone = torch.cat([cpu_native.rms_norm(x[i:i + 1], norm.weight, 1e-5) for i in range(rows)])
+    assert torch.equal(got, alone)
+    assert torch.equal(cpu_native.rms_norm(x.view(1, rows, n), norm.weight, 1e-5)[0], got)  # any leading shape
+
+
+def test_rms_norm_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
+
+
+def test_native_norms_switch_and_keep_the_module_elsewhere():
+    """use_native_norms sets the Llama / Qwen norms' forward (not other modules'), switches back, and
+    leaves float64 inputs and autograd to the module's own forward."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from bastion.target import use_native_norms
+
+    model = nn.Sequential(LlamaRMSNorm(16), nn.LayerNorm(16), LlamaRMSNorm(16))
+    assert use_native_norms(model) == 2 and use_native_norms(model) == 0
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+    calls = []
+    real = cpu_native.rms_norm
+    try:
+        cpu_native.rms_norm = lambda *a: (calls.append(1), real(*a))[1]
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            model[0](x)
+        assert calls == [1]
+        model[0](x.requires_grad_())  # autograd: the module's forward
+        model[0].double()(torch.randn(3, 16, dtype=torch.float64))
+        assert calls == [1]
+    finally:
+        cpu_native.rms_norm = real
+    assert use_native_norms(model, False) == 2 and "forward" not in model[0].__dict__
+
+
+@pytest.mark.parametrize("heads,d", [(9, 64), (3, 64), (4, 8), (2, 128)])
+@pytest.mark.parametrize("n", [1, 9, 70])
+def test_rope_is_transformers_rotary_embedding_bit_for_bit(heads, d, n):
+    """cpu_native.rope rounds each product and the sum as torch's elementwise ops do (no fused
+    multiply-add), so its bits are transformers' apply_rotary_pos_emb's — what keeps the lean loop and
+    transformers' forward bit-identical."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(heads * d + n)
+    x = torch.randn(n, heads, d, generator=g) * 4
+    angle = torch.rand(n, d // 2, generator=g) * 300
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    want, _ = apply_rotary_pos_emb(x[None].transpose(1, 2), x[None].transpose(1, 2), cos[None], sin[None])
+    got = cpu_native.rope(x, cos, sin)
+    assert got.shape == x.shape
+    assert torch.equal(got[None].transpose(1, 2), want)
+    assert torch.equal(cpu_native.rope(x.transpose(0, 1).contiguous().transpose(0, 1), cos, sin), got)  # strided in
+
+
+def test_rope_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="d even"):
+        cpu_native.rope(torch.zeros(2, 3, 5), torch.zeros(2, 5), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="cos / sin"):
+        cpu_native.rope(torch.zeros(2, 3, 4), torch.zeros(1, 4), torch.zeros(2, 4))

@@ -433,3 +433,81 @@ void bastion_move_rows(float *const *t, const int64_t *hs, const int64_t *rs, in
                 if (src[j] != dst[j]) memmove(base + dst[j] * rs[i], base + src[j] * rs[i], (size_t)d * sizeof(float));
         }
 }
+
+/*
+ * RMSNorm of rows: y[r, i] = w[i] * (x[r, i] * (1 / sqrt(mean_i x[r, i]^2 + eps)))  x, y [R, n].
+ *
+ * transformers' float32 RMSNorm is six torch ops (pow, mean, add, rsqrt, two muls), each dispatched
+ * and, at a few rows, each waking torch's thread pool: ~25 us a call for one row of 576 and ~90 us
+ * for nine (61 calls a forward of SmolLM2-135M: ~5 ms of a nine-row verification; session 22's
+ * profile). Here one pass per row: the sum of squares in 32 float lanes (four 8-float accumulators,
+ * k ascending), the lanes summed in a fixed order, so a row's result depends on that row alone
+ * (batch-invariant, as the products). Not torch's summation order: results agree to float rounding
+ * (~1e-7 relative), not bit for bit - the target's norms all go through this function (lean and full
+ * forward alike; kernels.cpu_native.use_native_norms), so every path of this engine agrees with itself.
+ */
+void bastion_rms_norm_f32(const float *x, int64_t R, int64_t n, const float *w, float eps, float *y) {
+#pragma omp parallel for schedule(static) if (R >= 64)
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        v8 a0 = (v8){0}, a1 = (v8){0}, a2 = (v8){0}, a3 = (v8){0};
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            v8 u0 = *(const v8 *)(xr + i), u1 = *(const v8 *)(xr + i + 8);
+            v8 u2 = *(const v8 *)(xr + i + 16), u3 = *(const v8 *)(xr + i + 24);
+            a0 += u0 * u0; a1 += u1 * u1; a2 += u2 * u2; a3 += u3 * u3;
+        }
+        for (; i + 8 <= n; i += 8) {
+            v8 u = *(const v8 *)(xr + i);
+            a0 += u * u;
+        }
+        v8 a = (a0 + a1) + (a2 + a3);
+        float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        for (; i < n; i++) s += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(s / (float)n + eps);
+        for (int64_t j = 0; j < n; j++) yr[j] = w[j] * (xr[j] * inv);
+    }
+}
+
+/*
+ * Rotary position embedding of a few rows, bit for bit transformers' apply_rotary_pos_emb:
+ *   out = (x * cos) + (rotate_half(x) * sin),  rotate_half(x) = [-x[h:], x[:h]],  h = d / 2
+ * x, out [n, H, d] (a product's rows viewed as heads), cos / sin [n, d]. Each of the two products and
+ * the sum is rounded on its own, as torch's three elementwise ops round them: the compiler must not
+ * fuse a product and the sum into one FMA (fp-contract off below), or the bits would differ from
+ * transformers' full forward, which the engine's longest trees still take. Replaces ~14 torch ops a
+ * layer (slices, neg, cat, muls, adds for q and k: ~1.5 ms of a forward of the embedded target).
+ */
+#if defined(__clang__)
+#define NO_CONTRACT _Pragma("clang fp contract(off)")
+#else
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#define NO_CONTRACT
+#endif
+void bastion_rope_f32(const float *x, int64_t n, int64_t H, int64_t d, const float *cos, const float *sin,
+                      float *out) {
+    NO_CONTRACT
+    const int64_t h = d / 2;
+    for (int64_t r = 0; r < n; r++) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t j = 0; j < H; j++) {
+            const float *xr = x + (r * H + j) * d;
+            float *o = out + (r * H + j) * d;
+            for (int64_t i = 0; i < h; i++) {
+                float a = xr[i] * c[i];
+                float b = (-xr[i + h]) * s[i];
+                o[i] = a + b;
+            }
+            for (int64_t i = h; i < d; i++) {
+                float a = xr[i] * c[i];
+                float b = xr[i - h] * s[i];
+                o[i] = a + b;
+            }
+        }
+    }
+}
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif

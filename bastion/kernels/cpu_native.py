@@ -4,7 +4,9 @@ Three kernels: float32 products over packed weights (:func:`linear`, the target'
 bf16 products for drafters (:func:`linear_bf16`, where the CPU has AVX512-BF16) and the attention of
 a few queries over the KV cache (:func:`attention`). The first and the last compute each row on its
 own, so a tree verification and plain decoding get bit-identical logits (tests/test_cpu_attention.py).
-Plus one helper: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at once.
+Plus three helpers: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at
+once; :func:`rms_norm`, the RMSNorm of a few rows in one pass instead of six torch ops; :func:`rope`,
+the rotary embedding bit for bit as transformers computes it, one call instead of fourteen ops.
 
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
@@ -124,6 +126,10 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_attn_f32.restype = I
     lib.bastion_move_rows.argtypes = [V, V, V, I64, I64, I64, V, V, I64]
     lib.bastion_move_rows.restype = None
+    lib.bastion_rms_norm_f32.argtypes = [V, I64, I64, V, ctypes.c_float, V]
+    lib.bastion_rms_norm_f32.restype = None
+    lib.bastion_rope_f32.argtypes = [V, I64, I64, I64, V, V, V]
+    lib.bastion_rope_f32.restype = None
     _lib = lib
     if lib.bastion_gemm_panel() != 16:
         _lib, _why = None, "the compiled kernel's panel width is not 16"
@@ -330,6 +336,42 @@ def attention_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                                key.shape[2], d, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native attention: no memory for its scratch rows")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x², -1) + eps))`` for CPU float32 x [..., n] and weight [n], one
+    native pass per row (cpu_gemm.c ``bastion_rms_norm_f32``): transformers' Llama / Qwen RMSNorm to
+    float rounding, each row on its own (batch-invariant)."""
+    if library() is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    n = x.shape[-1]
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_cpu
+            or weight.shape != (n,)):
+        raise ValueError(f"rms_norm wants CPU float32 x [..., n] and weight [n]; got {tuple(x.shape)} {x.dtype}, "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    x = x.contiguous()
+    w = weight.contiguous()
+    y = torch.empty_like(x)
+    _lib.bastion_rms_norm_f32(x.data_ptr(), x.numel() // n if n else 0, n, w.data_ptr(), float(eps), y.data_ptr())
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [n, H, d] by cos / sin [n, d] (CPU float32): ``x * cos + rotate_half(x) *
+    sin`` per head with each op rounded as torch rounds it, so the bits of transformers'
+    ``apply_rotary_pos_emb`` → [n, H, d]. The caller's layout promise: all three contiguous (checked
+    cheaply, made so otherwise)."""
+    if library() is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    n, heads, d = x.shape
+    if (x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not x.is_cpu
+            or cos.shape != (n, d) or sin.shape != (n, d) or d % 2):
+        raise ValueError(f"rope wants CPU float32 x [n, H, d] (d even) and cos / sin [n, d]; got {tuple(x.shape)} "
+                         f"{x.dtype}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(x)
+    _lib.bastion_rope_f32(x.data_ptr(), n, heads, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
 
 
