@@ -66,34 +66,51 @@ class GrowingLayer(DynamicLayer):
 
 
 NATIVE_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # w * (x * rsqrt(mean x² + ε))
+NATIVE_ACTS = ("SiLUActivation", "SiLU")
+
+
+def _native_here(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    # CPU float32 without autograd: where the native passes apply
+    return (x.dtype == torch.float32 and x.is_cpu and (w is None or (w.dtype == torch.float32 and w.is_cpu))
+            and not (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))))
 
 
 def _native_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # the native pass where it applies (CPU float32, no autograd), the module's own forward elsewhere
-    w = norm.weight
-    if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.is_cpu and w.is_cpu
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return cpu_native.rms_norm(x, w, norm.variance_epsilon)
+    if _native_here(x, norm.weight):
+        return cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
     return type(norm).forward(norm, x)
 
 
-def use_native_norms(model: torch.nn.Module, on: bool = True) -> int:
-    """Run every Llama / Qwen-style RMSNorm of ``model`` through :func:`cpu_native.rms_norm` (on CPU
-    float32 inputs; other inputs keep the module's forward), or back; returns how many changed.
+def _native_silu_forward(act: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if _native_here(x):
+        return cpu_native.silu(x)
+    return type(act).forward(act, x)
 
-    Set per instance (``forward``), so parameters, hooks and state-dict keys stay. The target's norms
-    switch with its native products (``Target.__init__``): the lean loop and transformers' forward
-    then run the same norm, so their logits stay bit-identical to each other — and, like the native
-    products, differ from stock transformers by float rounding. Measured on the embedded target (2-core
-    Zen 3, session 22): one norm of one row 25 → ~2 µs, of nine rows ~90 → ~3 µs in the forward's profile."""
+
+def use_native_modules(model: torch.nn.Module, on: bool = True) -> int:
+    """Run every Llama / Qwen-style RMSNorm of ``model`` through :func:`cpu_native.rms_norm` and every
+    SiLU activation through :func:`cpu_native.silu` (on CPU float32 inputs without autograd; other
+    inputs keep the module's own forward), or back; returns how many modules changed.
+
+    Set per instance (``forward``), so parameters, hooks and state-dict keys stay. The target's
+    modules switch with its native products (``Target.__init__``): the lean loop and transformers'
+    forward then run the same norms and activations, so their logits stay bit-identical to each other
+    — and, like the native products, differ from stock transformers by float rounding. Measured on the
+    embedded target (2-core Zen 3, session 22, torch's profiler over nine-row forwards): the norms'
+    ~90 µs a call and the activation's ~20 µs leave the profile (~5.5 and ~0.6 ms a forward)."""
     if on and not cpu_native.available():
         on = False
     n = 0
     for m in model.modules():
-        if type(m).__name__ not in NATIVE_NORMS or not hasattr(m, "variance_epsilon"):
+        name = type(m).__name__
+        if name in NATIVE_NORMS and hasattr(m, "variance_epsilon"):
+            forward = _native_norm_forward
+        elif name in NATIVE_ACTS:
+            forward = _native_silu_forward
+        else:
             continue
         if on and "forward" not in m.__dict__:
-            m.forward = types.MethodType(_native_norm_forward, m)
+            m.forward = types.MethodType(forward, m)
             n += 1
         elif not on and "forward" in m.__dict__:
             del m.__dict__["forward"]
@@ -102,7 +119,7 @@ def use_native_norms(model: torch.nn.Module, on: bool = True) -> int:
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama/Qwen3 RMSNorm module's output: its native forward when set (:func:`use_native_norms`),
+    """A Llama/Qwen3 RMSNorm module's output: its native forward when set (:func:`use_native_modules`),
     else ``F.rms_norm`` (one op instead of the module's six; bit-identical in float32, which the
     lean-forward tests check against the module on both families)."""
     own = norm.__dict__.get("forward")
@@ -148,7 +165,7 @@ class Target:
         # attention, each row on its own); the packed panels may have been refused for memory
         native = any(getattr(m, "native", False) for m in self.model.modules())
         use_grouped_attention(self.model, native=native)
-        use_native_norms(self.model, native)
+        use_native_modules(self.model, native)
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None

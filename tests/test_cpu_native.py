@@ -359,30 +359,47 @@ def test_rms_norm_refuses_what_it_cannot_run():
         cpu_native.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
 
 
-def test_native_norms_switch_and_keep_the_module_elsewhere():
-    """use_native_norms sets the Llama / Qwen norms' forward (not other modules'), switches back, and
-    leaves float64 inputs and autograd to the module's own forward."""
+def test_native_modules_switch_and_keep_the_module_elsewhere():
+    """use_native_modules sets the Llama / Qwen norms' and the SiLU activations' forward (not other
+    modules'), switches back, and leaves float64 inputs and autograd to the module's own forward."""
+    from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from bastion.target import use_native_norms
+    from bastion.target import use_native_modules
 
-    model = nn.Sequential(LlamaRMSNorm(16), nn.LayerNorm(16), LlamaRMSNorm(16))
-    assert use_native_norms(model) == 2 and use_native_norms(model) == 0
-    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+    model = nn.Sequential(LlamaRMSNorm(16), nn.LayerNorm(16), ACT2FN["silu"], nn.GELU())
+    assert use_native_modules(model) == 2 and use_native_modules(model) == 0
+    assert "forward" in model[0].__dict__ and "forward" in model[2].__dict__
+    assert "forward" not in model[1].__dict__ and "forward" not in model[3].__dict__
     calls = []
-    real = cpu_native.rms_norm
+    real_norm, real_silu = cpu_native.rms_norm, cpu_native.silu
     try:
-        cpu_native.rms_norm = lambda *a: (calls.append(1), real(*a))[1]
+        cpu_native.rms_norm = lambda *a: (calls.append("norm"), real_norm(*a))[1]
+        cpu_native.silu = lambda *a: (calls.append("silu"), real_silu(*a))[1]
         x = torch.randn(3, 16)
         with torch.no_grad():
-            model[0](x)
-        assert calls == [1]
-        model[0](x.requires_grad_())  # autograd: the module's forward
-        model[0].double()(torch.randn(3, 16, dtype=torch.float64))
-        assert calls == [1]
+            model(x)
+        assert calls == ["norm", "silu"]
+        model[0](x.requires_grad_())  # autograd: the modules' own forward
+        model[2](x)
+        model.double()(torch.randn(3, 16, dtype=torch.float64))
+        assert calls == ["norm", "silu"]
     finally:
-        cpu_native.rms_norm = real
-    assert use_native_norms(model, False) == 2 and "forward" not in model[0].__dict__
+        cpu_native.rms_norm, cpu_native.silu = real_norm, real_silu
+    assert use_native_modules(model, False) == 2 and "forward" not in model[0].__dict__
+
+
+@pytest.mark.parametrize("n", [1536, 13, 8, 3])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_silu_equals_torch_and_is_row_invariant(n, rows):
+    g = torch.Generator().manual_seed(n * rows)
+    x = torch.randn(rows, n, generator=g) * 6
+    x[0, 0], x[-1, -1] = -120.0, 95.0  # exp's lower limit, a large positive input
+    got = cpu_native.silu(x)
+    assert torch.allclose(got, F.silu(x), rtol=3e-7, atol=1e-7)
+    assert torch.equal(torch.cat([cpu_native.silu(x[i:i + 1]) for i in range(rows)]), got)
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.silu(x.double())
 
 
 @pytest.mark.parametrize("heads,d", [(9, 64), (3, 64), (4, 8), (2, 128)])

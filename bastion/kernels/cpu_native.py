@@ -4,9 +4,10 @@ Three kernels: float32 products over packed weights (:func:`linear`, the target'
 bf16 products for drafters (:func:`linear_bf16`, where the CPU has AVX512-BF16) and the attention of
 a few queries over the KV cache (:func:`attention`). The first and the last compute each row on its
 own, so a tree verification and plain decoding get bit-identical logits (tests/test_cpu_attention.py).
-Plus three helpers: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at
+Plus four helpers: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at
 once; :func:`rms_norm`, the RMSNorm of a few rows in one pass instead of six torch ops; :func:`rope`,
-the rotary embedding bit for bit as transformers computes it, one call instead of fourteen ops.
+the rotary embedding bit for bit as transformers computes it, one call instead of fourteen ops;
+:func:`silu`, the MLP's activation.
 
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
@@ -130,6 +131,8 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_rms_norm_f32.restype = None
     lib.bastion_rope_f32.argtypes = [V, I64, I64, I64, V, V, V]
     lib.bastion_rope_f32.restype = None
+    lib.bastion_silu_f32.argtypes = [V, I64, I64, V]
+    lib.bastion_silu_f32.restype = None
     _lib = lib
     if lib.bastion_gemm_panel() != 16:
         _lib, _why = None, "the compiled kernel's panel width is not 16"
@@ -373,6 +376,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     _lib.bastion_rope_f32(x.data_ptr(), n, heads, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` for CPU float32 x [..., n], natively, row by row (an element's result does not
+    depend on the row count); within a few ulp of torch's silu."""
+    if library() is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() == 0:
+        raise ValueError(f"silu wants a CPU float32 tensor [..., n]; got {tuple(x.shape)} {x.dtype} on {x.device}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    if x.numel():
+        _lib.bastion_silu_f32(x.data_ptr(), x.numel() // n, n, y.data_ptr())
+    return y
 
 
 def move_rows(tensors: list[torch.Tensor], src: list[int], dst: list[int]) -> bool:
