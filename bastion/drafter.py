@@ -22,6 +22,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from .kernels.cpu_linear import use_skinny_linear
+from .kernels.cpu_modules import use_native_modules
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -252,6 +253,7 @@ class DFlashDrafter(nn.Module):
         # a draft is a 9–16-row product per matrix (kernels.cpu_linear), and only a proposal: bf16
         # products where the CPU has them (half the bytes, twice the multiply-adds per instruction)
         use_skinny_linear(self, "native-bf16")
+        use_native_modules(self)  # norms and activations: one native pass each where they apply
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""

@@ -8,7 +8,6 @@ layers are kept, never the whole stack.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from transformers.cache_utils import DynamicLayer
 from .kernels import cpu_native
 from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attention
 from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
+from .kernels.cpu_modules import use_native_modules
 
 
 class GrowingLayer(DynamicLayer):
@@ -63,59 +63,6 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._kbuf = self._vbuf = None
-
-
-NATIVE_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # w * (x * rsqrt(mean x² + ε))
-NATIVE_ACTS = ("SiLUActivation", "SiLU")
-
-
-def _native_here(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
-    # CPU float32 without autograd: where the native passes apply
-    return (x.dtype == torch.float32 and x.is_cpu and (w is None or (w.dtype == torch.float32 and w.is_cpu))
-            and not (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))))
-
-
-def _native_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _native_here(x, norm.weight):
-        return cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
-    return type(norm).forward(norm, x)
-
-
-def _native_silu_forward(act: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _native_here(x):
-        return cpu_native.silu(x)
-    return type(act).forward(act, x)
-
-
-def use_native_modules(model: torch.nn.Module, on: bool = True) -> int:
-    """Run every Llama / Qwen-style RMSNorm of ``model`` through :func:`cpu_native.rms_norm` and every
-    SiLU activation through :func:`cpu_native.silu` (on CPU float32 inputs without autograd; other
-    inputs keep the module's own forward), or back; returns how many modules changed.
-
-    Set per instance (``forward``), so parameters, hooks and state-dict keys stay. The target's
-    modules switch with its native products (``Target.__init__``): the lean loop and transformers'
-    forward then run the same norms and activations, so their logits stay bit-identical to each other
-    — and, like the native products, differ from stock transformers by float rounding. Measured on the
-    embedded target (2-core Zen 3, session 22, torch's profiler over nine-row forwards): the norms'
-    ~90 µs a call and the activation's ~20 µs leave the profile (~5.5 and ~0.6 ms a forward)."""
-    if on and not cpu_native.available():
-        on = False
-    n = 0
-    for m in model.modules():
-        name = type(m).__name__
-        if name in NATIVE_NORMS and hasattr(m, "variance_epsilon"):
-            forward = _native_norm_forward
-        elif name in NATIVE_ACTS:
-            forward = _native_silu_forward
-        else:
-            continue
-        if on and "forward" not in m.__dict__:
-            m.forward = types.MethodType(forward, m)
-            n += 1
-        elif not on and "forward" in m.__dict__:
-            del m.__dict__["forward"]
-            n += 1
-    return n
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

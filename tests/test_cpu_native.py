@@ -365,7 +365,7 @@ def test_native_modules_switch_and_keep_the_module_elsewhere():
     from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from bastion.target import use_native_modules
+    from bastion.kernels.cpu_modules import use_native_modules
 
     model = nn.Sequential(LlamaRMSNorm(16), nn.LayerNorm(16), ACT2FN["silu"], nn.GELU())
     assert use_native_modules(model) == 2 and use_native_modules(model) == 0
