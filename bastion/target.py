@@ -309,8 +309,9 @@ class Target:
         What it drops is the machinery around them: module hooks and call dispatch, attention-interface
         and mask bookkeeping, ~3 ms of a 43–45 ms one-row step of the embedded target on a 2-core CPU;
         then (session 22) the products' own wrappers (:meth:`_lean_plan`, ~5 ms more) and the rotary
-        embedding's fourteen torch ops a layer (:func:`cpu_native.rope`, the same bits). Feature layers
-        are captured directly (hooks do not fire here)."""
+        embedding's fourteen torch ops a layer (:func:`cpu_native.rope`, the same bits); the norms and
+        the activation are the modules' own, native in this loop and in transformers' forward alike
+        (``kernels/cpu_modules.py``). Feature layers are captured directly (hooks do not fire here)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         dec = self.model.get_decoder()

@@ -444,7 +444,7 @@ void bastion_move_rows(float *const *t, const int64_t *hs, const int64_t *rs, in
  * k ascending), the lanes summed in a fixed order, so a row's result depends on that row alone
  * (batch-invariant, as the products). Not torch's summation order: results agree to float rounding
  * (~1e-7 relative), not bit for bit - the target's norms all go through this function (lean and full
- * forward alike; target.use_native_modules), so every path of this engine agrees with itself.
+ * forward alike; kernels/cpu_modules.py), so every path of this engine agrees with itself.
  */
 void bastion_rms_norm_f32(const float *x, int64_t R, int64_t n, const float *w, float eps, float *y) {
 #pragma omp parallel for schedule(static) if (R >= 64)
@@ -519,7 +519,7 @@ void bastion_rope_f32(const float *x, int64_t n, int64_t H, int64_t d, const flo
  * domain is x <= 0): x >= 0: 1 / (1 + e^-x), x < 0: e^x / (1 + e^x). Each row in the same 8-lane
  * blocks (a partial last block padded), so an element's result does not depend on the row count.
  * Within a few ulp of torch's silu, not bit for bit: the target's activations all go through it
- * (lean and full forward; target.use_native_modules).
+ * (lean and full forward; kernels/cpu_modules.py).
  */
 static inline v8 silu_v8(v8 x) {
     vi8 neg = x < SPLAT8(0.f);

@@ -50,9 +50,10 @@ def use_native_modules(model: torch.nn.Module, on: bool = True) -> int:
     switch with its native products (``Target.__init__``): the lean loop and transformers' forward
     then run the same norms and activations, so their logits stay bit-identical to each other — and,
     like the native products, differ from stock transformers by float rounding. The drafter's switch
-    on at construction (its outputs are proposals; training's autograd keeps the modules' forward). Measured on the
-    embedded target (2-core Zen 3, session 22, torch's profiler over nine-row forwards): the norms'
-    ~90 µs a call and the activation's ~20 µs leave the profile (~5.5 and ~0.6 ms a forward)."""
+    on at construction (its outputs are proposals; training's autograd keeps the modules' forward).
+    Measured on the embedded target (2-core Zen 3, session 22, torch's profiler over nine-row
+    forwards): the norms' ~90 µs a call and the activation's ~20 µs leave the profile (~5.5 and
+    ~1.2 ms a forward)."""
     n = 0
     for m in model.modules():
         name = type(m).__name__

@@ -230,11 +230,11 @@ class Product:
     """One weight's float32 product (:func:`linear`) with its checks made once, for a hot loop.
 
     ``Product(panels, n, bias)(x, threads)`` = ``linear(x, panels, n, bias)`` for x [R, K] float32 on
-    the CPU with K = the weight's inputs — the caller's promise (only contiguity is checked). The same kernel and arguments, so
-    the same bits; what it drops is ~20 µs of Python a call (module dispatch, the fast-path and panel
-    checks, reshapes): ~5 ms of a 40 ms one-row step of the embedded target, whose 210 products it
-    runs (``target.Target._lean_forward``). Holds its panels (and bias), so they outlive the module's
-    own cache of them until the caller drops the product."""
+    the CPU with K = the weight's inputs — the caller's promise (only contiguity is checked). The same
+    kernel and arguments, so the same bits; what it drops is ~20 µs of Python a call (module dispatch,
+    the fast-path and panel checks, reshapes): ~5 ms of a 40 ms one-row step of the embedded target,
+    whose 210 products it runs (``target.Target._lean_forward``). Holds its panels (and bias), so they
+    outlive the module's own cache of them until the caller drops the product."""
 
     __slots__ = ("panels", "bias", "n", "k", "_pp", "_bp")
 
