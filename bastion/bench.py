@@ -243,8 +243,9 @@ def _linear_mode(model: torch.nn.Module) -> str:
     if not layers:
         return "stock: F.linear"
     if any(m.native for m in layers) and cpu_native.available():
-        if any(m.low_precision for m in layers) and cpu_native.bf16_available():
-            return "native-bf16: packed few-row kernel, bf16 products (kernels.cpu_native)"
+        if any(m.low_precision for m in layers):
+            how = "bf16 products" if cpu_native.bf16_available() else "bf16 weights widened to float32"
+            return f"native-bf16: packed few-row kernel, {how} (kernels.cpu_native)"
         return "native: packed few-row kernel (kernels.cpu_native)"
     why = cpu_native.unavailable_reason()
     return "fast: kernels.cpu_linear for few-row CPU fp32 products" + (f" (native unavailable: {why})" if why else "")

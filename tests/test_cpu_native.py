@@ -225,13 +225,48 @@ def test_bf16_mode_packs_bf16_and_switches_back():
 
 
 @needs_bf16
-def test_bf16_mode_keeps_float32_for_an_odd_number_of_inputs():
+def test_bf16_mode_widens_bf16_weights_for_an_odd_number_of_inputs():
+    """AVX512-BF16 multiplies input pairs: an odd number of inputs takes the widened-bf16 kernel."""
     lin = nn.Linear(7, 5)
     use_skinny_linear(lin, "native-bf16")
     x = torch.randn(2, 7)
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert lin.panels().dtype == torch.float32
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0.05)
+    assert lin.panels().dtype == torch.bfloat16 and lin.panels().dim() == 3
+
+
+@pytest.mark.parametrize("n,k", [(16, 8), (37, 29), (192, 576), (1000, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 13, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_bf16_product_is_the_float32_product_of_rounded_weights(n, k, rows, with_bias):
+    """linear_h16 (drafters on CPUs without AVX512-BF16): bf16 weights widened in registers, the float32
+    kernel's FMAs in its order — bit for bit the float32 kernel on the bf16-rounded weight."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    panels = cpu_native.pack_h16(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, k, 16)
+    got = cpu_native.linear_h16(x, panels, n, b)
+    assert torch.equal(got, cpu_native.linear(x, cpu_native.pack(w.bfloat16().float()), n, b))
+    alone = torch.cat([cpu_native.linear_h16(x[i:i + 1], panels, n, b) for i in range(rows)])
+    assert torch.equal(got, alone)  # batch-invariant, as the float32 kernel
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu_native.linear_h16(torch.randn(2, k + 1), panels, n)
+
+
+def test_low_precision_mode_packs_bf16_on_every_cpu():
+    """Mode native-bf16 (drafters) halves the weights' bytes on any CPU: AVX512-BF16 pairs where the CPU
+    has them (even inputs), widened bf16 weights elsewhere; mode native repacks float32."""
+    lin = nn.Linear(24, 40)
+    use_skinny_linear(lin, "native-bf16")
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        low = lin(x)
+        assert lin.panels().dtype == torch.bfloat16
+        assert lin.panels().dim() == (4 if cpu_native.bf16_available() else 3)
+        torch.testing.assert_close(low, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0.1)
+        use_skinny_linear(lin, "native")
+        assert lin.panels().dtype == torch.float32
 
 
 # ----------------------------------------------------------------- attention

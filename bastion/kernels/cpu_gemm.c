@@ -51,69 +51,101 @@ void bastion_pack_f32(const float *w, int64_t N, int64_t K, float *wp, int nthre
     }
 }
 
+/* The weights of a panel row k as two 8-float vectors: float32 panels as they are; bf16 ones
+ * (uint16, the float's upper half) widened in registers - a shift, exact - so the FMAs and their
+ * order are the same as the float32 kernel's. */
+typedef uint16_t vh8 __attribute__((vector_size(16), aligned(2)));
+typedef int32_t vw8 __attribute__((vector_size(32), aligned(4)));
+static inline __attribute__((always_inline)) void load_f32(const float *w, v8 *w0, v8 *w1) {
+    *w0 = *(const v8 *)w;
+    *w1 = *(const v8 *)(w + 8);
+}
+static inline __attribute__((always_inline)) void load_h16(const uint16_t *w, v8 *w0, v8 *w1) {
+    *w0 = (v8)(__builtin_convertvector(*(const vh8 *)w, vw8) << 16);
+    *w1 = (v8)(__builtin_convertvector(*(const vh8 *)(w + 8), vw8) << 16);
+}
+
 /* rr rows (x rows ldx floats apart; ldx = 0 repeats one row) times one panel; the first `keep`
- * rows are stored. always_inline + constant rr from the switch below unrolls the row loops. */
-static inline __attribute__((always_inline)) void
-panel(const float *x, int64_t ldx, int rr, int keep, const float *wp, int64_t K, const float *b,
-      float *y, int64_t N, int64_t n0) {
-    v8 acc[RB][2];
-    for (int i = 0; i < rr; i++) acc[i][0] = acc[i][1] = (v8){0};
-    for (int64_t k = 0; k < K; k++) {
-        /* one k step reads one 64-byte line of the panel: ask for the line 2 KB ahead, so that
-         * the memory stream overlaps the FMAs (8 rows over the whole model 22.9 -> 16.4 ms) */
-        __builtin_prefetch(wp + (k + 32) * P);
-        v8 w0 = *(const v8 *)(wp + k * P), w1 = *(const v8 *)(wp + k * P + 8);
-        for (int i = 0; i < rr; i++) {
-            float xv = x[i * ldx + k];
-            v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
-            acc[i][0] += w0 * xb;
-            acc[i][1] += w1 * xb;
-        }
-    }
-    int64_t m = N - n0 < P ? N - n0 : P;
-    for (int i = 0; i < keep; i++) {
-        float out[P];
-        memcpy(out, &acc[i][0], sizeof(v8));
-        memcpy(out + 8, &acc[i][1], sizeof(v8));
-        if (b)
-            for (int j = 0; j < m; j++) out[j] += b[n0 + j];
-        memcpy(y + i * N + n0, out, (size_t)m * sizeof(float));
-    }
+ * rows are stored. always_inline + constant rr from the switch below unrolls the row loops.
+ * Defined once per weight type (float32 panels; bf16 panels for drafters on CPUs without
+ * AVX512-BF16): the prefetch asks for the line 2 KB ahead either way. */
+#define DEFINE_PANEL(NAME, WT, LOAD)                                                               \
+static inline __attribute__((always_inline)) void                                                 \
+NAME(const float *x, int64_t ldx, int rr, int keep, const WT *wp, int64_t K, const float *b,       \
+     float *y, int64_t N, int64_t n0) {                                                            \
+    v8 acc[RB][2];                                                                                 \
+    for (int i = 0; i < rr; i++) acc[i][0] = acc[i][1] = (v8){0};                                  \
+    for (int64_t k = 0; k < K; k++) {                                                              \
+        __builtin_prefetch(wp + (k + 2048 / (P * sizeof(WT))) * P);                               \
+        v8 w0, w1;                                                                                 \
+        LOAD(wp + k * P, &w0, &w1);                                                                \
+        for (int i = 0; i < rr; i++) {                                                             \
+            float xv = x[i * ldx + k];                                                             \
+            v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};                                              \
+            acc[i][0] += w0 * xb;                                                                  \
+            acc[i][1] += w1 * xb;                                                                  \
+        }                                                                                          \
+    }                                                                                              \
+    int64_t m = N - n0 < P ? N - n0 : P;                                                           \
+    for (int i = 0; i < keep; i++) {                                                               \
+        float out[P];                                                                              \
+        memcpy(out, &acc[i][0], sizeof(v8));                                                       \
+        memcpy(out + 8, &acc[i][1], sizeof(v8));                                                   \
+        if (b)                                                                                     \
+            for (int j = 0; j < m; j++) out[j] += b[n0 + j];                                       \
+        memcpy(y + i * N + n0, out, (size_t)m * sizeof(float));                                    \
+    }                                                                                              \
 }
+DEFINE_PANEL(panel, float, load_f32)
+DEFINE_PANEL(panel_h16, uint16_t, load_h16)
 
-#define CASE(n) case n: panel(xr, K, n, n, wpp, K, b, yr, N, n0); break;
+#define CASE(n) case n: PANEL(xr, K, n, n, wpp, K, b, yr, N, n0); break;
 
-void bastion_gemm_f32(const float *x, int64_t R, const float *wp, int64_t N, int64_t K,
-                      const float *b, float *y, int nthreads) {
-    int64_t np = (N + P - 1) / P;
-    /* small products are not worth waking the second thread */
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)
-    for (int64_t p = 0; p < np; p++) {
-        const float *wpp = wp + p * K * P;
-        int64_t n0 = p * P;
-        if (R == 1) {
-            /* one row runs as two copies of itself: two independent accumulator chains per output
-             * would otherwise wait on the FMA latency (measured 17 vs 13.5 ms for the whole model) */
-            panel(x, 0, 2, 1, wpp, K, b, y, N, n0);
-            continue;
-        }
-        /* equal passes (16 rows as 8 + 8, not 12 + 4): a short last pass reuses each W load little */
-        int64_t npass = (R + RB - 1) / RB;
-        for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {
-            int rr = (int)((R - r0) / (npass - pass));
-            if (rr > RB) rr = RB;
-            const float *xr = x + r0 * K;
-            float *yr = y + r0 * N;
-            switch (rr) {
-                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+/* y [R, N] = x [R, K] times the panels (+ b): passes of up to RB rows over each panel, the panels
+ * split between threads; one row runs as two copies of itself (two independent accumulator chains
+ * per output; measured 17 vs 13.5 ms for the whole model), and passes are equal (16 rows as 8 + 8,
+ * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread. */
+#define DEFINE_GEMM(NAME, WT)                                                                      \
+void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                           \
+          const float *b, float *y, int nthreads) {                                                \
+    int64_t np = (N + P - 1) / P;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
+    for (int64_t p = 0; p < np; p++) {                                                             \
+        const WT *wpp = wp + p * K * P;                                                            \
+        int64_t n0 = p * P;                                                                        \
+        if (R == 1) {                                                                              \
+            PANEL(x, 0, 2, 1, wpp, K, b, y, N, n0);                                                \
+            continue;                                                                              \
+        }                                                                                          \
+        int64_t npass = (R + RB - 1) / RB;                                                         \
+        for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {                                     \
+            int rr = (int)((R - r0) / (npass - pass));                                             \
+            if (rr > RB) rr = RB;                                                                  \
+            const float *xr = x + r0 * K;                                                          \
+            float *yr = y + r0 * N;                                                                \
+            switch (rr) {                                                                          \
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)                                    \
+                CASES_OVER_6                                                                       \
+            }                                                                                      \
+            r0 += rr;                                                                              \
+        }                                                                                          \
+    }                                                                                              \
+}
 #if RB > 6
-                CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#define CASES_OVER_6 CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#else
+#define CASES_OVER_6
 #endif
-            }
-            r0 += rr;
-        }
-    }
-}
+
+#define PANEL panel
+DEFINE_GEMM(bastion_gemm_f32, float)
+#undef PANEL
+#define PANEL panel_h16
+/* bf16 weights, float32 inputs and sums: a drafter's products on CPUs without AVX512-BF16 (half
+ * the bytes of the float32 panels; each weight widened exactly, so the result is the float32
+ * product of the bf16-rounded weight). Panels [ceil(N/16), K, 16] of uint16. */
+DEFINE_GEMM(bastion_gemm_h16, uint16_t)
+#undef PANEL
 
 /* ---------------------------------------------------------------------------------------------
  * Low-precision products for drafters: bf16 weights and inputs, float32 sums.

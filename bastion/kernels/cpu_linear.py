@@ -72,15 +72,21 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _native(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``);
     bf16 panels (:func:`cpu_native.pack_bf16`) run the low-precision kernel."""
-    mul = cpu_native.linear_bf16 if panels.dtype == torch.bfloat16 else cpu_native.linear
+    if panels.dtype != torch.bfloat16:
+        mul = cpu_native.linear
+    else:  # [np, K/2, 16, 2]: AVX512-BF16 pairs; [np, K, 16]: bf16 weights widened (AVX2)
+        mul = cpu_native.linear_bf16 if panels.dim() == 4 else cpu_native.linear_h16
     return mul(x.reshape(-1, x.shape[-1]), panels, n, bias).reshape(*x.shape[:-1], n)
 
 
 def pack_for(weight: torch.Tensor, low_precision: bool) -> torch.Tensor:
-    """The panels the native kernel reads for `weight`: bf16 ones when `low_precision` is asked and
-    runs here (AVX512-BF16, an even number of inputs), float32 ones otherwise."""
+    """The panels the native kernel reads for `weight`: with `low_precision`, bf16 pairs where
+    AVX512-BF16 runs them (an even number of inputs; inputs rounded too) and bf16 weights widened in
+    registers elsewhere (inputs and sums float32); float32 panels otherwise."""
     if low_precision and weight.shape[1] % 2 == 0 and cpu_native.bf16_available():
         return cpu_native.pack_bf16(weight)
+    if low_precision:
+        return cpu_native.pack_h16(weight)
     return cpu_native.pack(weight)
 
 

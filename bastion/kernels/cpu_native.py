@@ -122,6 +122,8 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_gemm_bf16.argtypes = [V, I64, V, I64, I64, V, V, I]
     lib.bastion_gemm_bf16.restype = None
     lib.bastion_gemm_bf16_available.restype = I
+    lib.bastion_gemm_h16.argtypes = [V, I64, V, I64, I64, V, V, I]
+    lib.bastion_gemm_h16.restype = None
     lib.bastion_attn_f32.argtypes = [V, I64, I64, V, I64, I64, V, I64, I64, V, I64, V, I64, I64, I64, I64, I64,
                                      ctypes.c_float, I]
     lib.bastion_attn_f32.restype = I
@@ -290,6 +292,41 @@ def linear_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     y = torch.empty(r, n, dtype=torch.float32)
     lib.bastion_gemm_bf16(xb.data_ptr(), r, panels.data_ptr(), n, k // 2,
                           None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def pack_h16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] → bf16 panels [ceil(N/16), K, 16] (torch's rounding to nearest even, zero padded): the
+    float32 panel layout with each weight in two bytes, which :func:`linear_h16` widens in registers."""
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"pack_h16 wants a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    pad = (-n) % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.view(-1, 16, k).transpose(1, 2).contiguous()
+
+
+def linear_h16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` with W rounded to bf16 (:func:`pack_h16`), x and the sums float32, x [R, K] → [R, n].
+
+    For drafters on CPUs without AVX512-BF16 (AVX2 laptops, the Zen 3): half the bytes of the float32
+    panels, each weight widened exactly, the FMAs and their order those of :func:`linear` — so the
+    result is, bit for bit, the float32 kernel's product with the bf16-rounded weight (test)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    r, k = x.shape
+    if panels.dtype != torch.bfloat16 or panels.dim() != 3 or panels.shape[1] != k or panels.shape[2] != 16 \
+            or panels.shape[0] * 16 < n:
+        raise ValueError(f"bf16 panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+    x = x.to(torch.float32).contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty(r, n, dtype=torch.float32)
+    lib.bastion_gemm_h16(x.data_ptr(), r, panels.data_ptr(), n, k, None if bias is None else bias.data_ptr(),
+                         y.data_ptr(), torch.get_num_threads())
     return y
 
 
