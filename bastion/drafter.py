@@ -251,7 +251,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", None if not cfg.draft_vocab_size else
                              torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # a draft is a 9–16-row product per matrix (kernels.cpu_linear), and only a proposal: bf16
-        # products where the CPU has them (half the bytes, twice the multiply-adds per instruction)
+        # weights (half the bytes; bf16 products too where the CPU has AVX512-BF16)
         use_skinny_linear(self, "native-bf16")
         use_native_modules(self)  # norms and activations: one native pass each where they apply
 
