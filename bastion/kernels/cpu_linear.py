@@ -71,7 +71,7 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _native(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``);
-    bf16 panels (:func:`cpu_native.pack_bf16`) run the low-precision kernel."""
+    bf16 panels run a low-precision kernel (:func:`cpu_native.pack_bf16` / :func:`cpu_native.pack_h16`)."""
     if panels.dtype != torch.bfloat16:
         mul = cpu_native.linear
     else:  # [np, K/2, 16, 2]: AVX512-BF16 pairs; [np, K, 16]: bf16 weights widened (AVX2)

@@ -267,12 +267,17 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % 2:
         raise ValueError(f"pack_bf16 wants a 2-D CPU weight with an even number of columns, got "
                          f"{tuple(weight.shape)} on {weight.device}")
+    k = weight.shape[1]
+    return _bf16_padded(weight).view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _bf16_padded(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] rounded to bf16 (nearest even) with zero rows up to a multiple of 16: what both bf16
+    panel layouts are cut from."""
     n, k = weight.shape
     w = weight.detach().to(torch.bfloat16)
     pad = (-n) % 16
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])
-    return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return torch.cat([w, w.new_zeros(pad, k)]) if pad else w
 
 
 def linear_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,12 +305,8 @@ def pack_h16(weight: torch.Tensor) -> torch.Tensor:
     float32 panel layout with each weight in two bytes, which :func:`linear_h16` widens in registers."""
     if weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack_h16 wants a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
-    n, k = weight.shape
-    w = weight.detach().to(torch.bfloat16)
-    pad = (-n) % 16
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])
-    return w.view(-1, 16, k).transpose(1, 2).contiguous()
+    k = weight.shape[1]
+    return _bf16_padded(weight).view(-1, 16, k).transpose(1, 2).contiguous()
 
 
 def linear_h16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
