@@ -246,6 +246,11 @@ def _linear_mode(model: torch.nn.Module) -> str:
         if any(m.low_precision for m in layers):
             how = "bf16 products" if cpu_native.bf16_available() else "bf16 weights widened to float32"
             return f"native-bf16: packed few-row kernel, {how} (kernels.cpu_native)"
+        exact = sum(m.native and m.compress and m.__dict__.get("_panels", (None, None))[1] is not None
+                    and m._panels[1].dtype in (torch.uint8, torch.int8) for m in layers)
+        if exact:
+            return (f"native: packed few-row kernel, {exact} of {len(layers)} matrices in exact 4/8-bit panels "
+                    "(kernels.cpu_native)")
         return "native: packed few-row kernel (kernels.cpu_native)"
     why = cpu_native.unavailable_reason()
     return "fast: kernels.cpu_linear for few-row CPU fp32 products" + (f" (native unavailable: {why})" if why else "")
@@ -329,9 +334,11 @@ def add_parser(sub) -> None:
     b.add_argument("--dtype", default="float32")
     b.add_argument("--device", default=None)
     b.add_argument("--kernels", default="auto", help="auto|torch|triton")
-    b.add_argument("--linear", choices=("native", "fast", "stock"), default="native",
+    b.add_argument("--linear", choices=("native", "native-f32", "fast", "stock"), default="native",
                    help="few-row CPU products for every strategy, the HF baselines included: native = the packed "
-                        "kernel of kernels.cpu_native (torch's routines where it cannot be built); fast = "
+                        "kernel of kernels.cpu_native (torch's routines where it cannot be built), exact 4/8-bit "
+                        "panels for weights that are losslessly Q4_1 / Q8_0 (the embedded model's); native-f32 = "
+                        "the same on float32 panels only; fast = "
                         "torch's few-row routines (kernels.cpu_linear); stock = F.linear everywhere (ablations)")
     b.add_argument("--drafter-linear", choices=MODES, default=None,
                    help="the drafter's products (default: native-bf16 with --linear native — the packed kernel "
@@ -414,7 +421,7 @@ def drafter_linear(a) -> str:
     native`` and ``--linear``'s own mode otherwise (ablations keep the drafter alike)."""
     if getattr(a, "drafter_linear", None):
         return a.drafter_linear
-    return "native-bf16" if a.linear == "native" else a.linear
+    return "native-bf16" if a.linear.startswith("native") else a.linear
 
 
 def _command(a, out_dir: Path) -> str:

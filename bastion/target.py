@@ -97,8 +97,10 @@ class Target:
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, linear: str | bool = "native"):
         """`linear`: how the model's linear layers multiply few rows on a CPU (``kernels.cpu_linear``):
-        ``native`` (the packed kernel, built on first use; the panels are made here, at load),
-        ``fast`` (torch's few-row routines) or ``stock`` (``F.linear``); no effect on GPUs or in training.
+        ``native`` (the packed kernel, built on first use; the panels are made here, at load; weights
+        that are exactly Q4_1 / Q8_0 — the embedded model's — in 4 / 8 bits, the same product bits),
+        ``native-f32`` (the packed kernel on float32 panels only), ``fast`` (torch's few-row routines)
+        or ``stock`` (``F.linear``); no effect on GPUs or in training.
         SDPA attention of a few masked queries regroups grouped-query heads instead of copying the
         KV cache, and with ``native`` runs in the native kernel (``kernels.cpu_attention``; CPU only,
         the same attention). ``native-bf16`` is refused: it is for drafters, whose outputs are only
@@ -180,7 +182,8 @@ class Target:
             # the head's linear mode decides whether the slice gets native panels too
             native = getattr(head, "native", False) and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_native.available()
-            self._head_rows = (key, w, b, pack_for(w, low_precision) if native else None)
+            self._head_rows = (key, w, b, pack_for(w, low_precision, getattr(head, "compress", True))
+                               if native else None)
         _, w, b, panels = self._head_rows
         return skinny_linear(hidden, w, b, panels)
 
@@ -294,7 +297,7 @@ class Target:
         plan = None
         if all(type(m) is SkinnyLinear and m.native and not m.low_precision for m in mods):
             prods = [cpu_native.Product(m.panels(), m.weight.shape[0], m.bias) for m in mods]
-            if all(p.panels.dtype == torch.float32 for p in prods):
+            if all(p.panels.dtype in (torch.float32, torch.uint8, torch.int8) for p in prods):  # not bf16
                 plan = [tuple(prods[j:j + 7]) for j in range(0, len(prods), 7)]
         self._plan = (layers, mode_changes(), mods, weights, [w._version for w in weights], plan)
         return plan

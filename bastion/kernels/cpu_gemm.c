@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -104,15 +104,25 @@ DEFINE_PANEL(panel_h16, uint16_t, load_h16)
 /* y [R, N] = x [R, K] times the panels (+ b): passes of up to RB rows over each panel, the panels
  * split between threads; one row runs as two copies of itself (two independent accumulator chains
  * per output; measured 17 vs 13.5 ms for the whole model), and passes are equal (16 rows as 8 + 8,
- * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread. */
-#define DEFINE_GEMM(NAME, WT)                                                                      \
-void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                           \
-          const float *b, float *y, int nthreads) {                                                \
+ * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread.
+ * PANEL_OF(wp, p, K) is panel p's weights as the PANEL function reads them: a pointer into wp for
+ * float32 and bf16 panels, a thread's scratch copy decoded from the compressed panel for the exact
+ * compressed formats below (NULL when that scratch cannot be allocated: the call returns -1). */
+#define DEFINE_GEMM(NAME, WT, PT, PANEL_OF, ROW)                                                        \
+int NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                            \
+         const float *b, float *y, int nthreads) {                                                 \
     int64_t np = (N + P - 1) / P;                                                                  \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
+    int failed = 0;                                                                                \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) reduction(|:failed) if (np * K * R > 32768)") \
     for (int64_t p = 0; p < np; p++) {                                                             \
-        const WT *wpp = wp + p * K * P;                                                            \
         int64_t n0 = p * P;                                                                        \
+        if (ROW(x, R, wp, p, K, b, y, N))                                                          \
+            continue;                                                                              \
+        const PT *wpp = PANEL_OF(wp, p, K);                                                        \
+        if (!wpp) {                                                                                \
+            failed = 1;                                                                            \
+            continue;                                                                              \
+        }                                                                                          \
         if (R == 1) {                                                                              \
             PANEL(x, 0, 2, 1, wpp, K, b, y, N, n0);                                                \
             continue;                                                                              \
@@ -130,21 +140,389 @@ void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,        
             r0 += rr;                                                                              \
         }                                                                                          \
     }                                                                                              \
+    return failed ? -1 : 0;                                                                        \
 }
 #if RB > 6
 #define CASES_OVER_6 CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #else
 #define CASES_OVER_6
 #endif
+#define PLAIN_PANEL(wp, p, K) ((wp) + (p) * (K) * P)
+#define NO_ROW(x, R, wp, p, K, b, y, N) 0 /* float32 / bf16 panels: one row goes through PANEL too */
 
 #define PANEL panel
-DEFINE_GEMM(bastion_gemm_f32, float)
+DEFINE_GEMM(bastion_gemm_f32, float, float, PLAIN_PANEL, NO_ROW)
 #undef PANEL
 #define PANEL panel_h16
 /* bf16 weights, float32 inputs and sums: a drafter's products on CPUs without AVX512-BF16 (half
  * the bytes of the float32 panels; each weight widened exactly, so the result is the float32
  * product of the bf16-rounded weight). Panels [ceil(N/16), K, 16] of uint16. */
-DEFINE_GEMM(bastion_gemm_h16, uint16_t)
+DEFINE_GEMM(bastion_gemm_h16, uint16_t, uint16_t, PLAIN_PANEL, NO_ROW)
+#undef PANEL
+
+/* ---------------------------------------------------------------------------------------------
+ * Exact compressed weights: float32 products over weights stored in 4 or 8 bits, bit for bit.
+ *
+ * A model dequantised from a llama.cpp file holds float32 weights that take few values: the
+ * embedded SmolLM2's 210 matrices come from Q4_1 blocks (per 32 inputs of an output, w = d·q + m,
+ * q in 0..15, d and m half floats, each product and the sum rounded to float32 - gguf's numpy
+ * dequantisation) and its tied embedding / LM head from Q8_0 (w = d·q, q in -128..127). The pack
+ * functions recover d, m and q for every block of 32 inputs and keep the matrix only when decoding
+ * gives back every weight bit for bit; they return how many blocks do not (0: the packed copy is
+ * exact). The product decodes a panel into a thread's float32 scratch (the float32 panel layout, in
+ * L2) and runs the float32 kernel over it: the same weights, the same FMAs in the same order, so the
+ * same bits as the float32 panels - from 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead of 4.
+ * At one row the float32 product streams 4 bytes a weight from memory and waits on it (~25 ms of a
+ * ~35 ms step of the embedded target on the Zen 3); decoding costs a few instructions per 16 weights.
+ *
+ * Layouts, per panel of 16 outputs and block of 32 inputs (panels [ceil(N/16), K/32, bytes]):
+ *   Q4: d[16], m[16] float32, then 32 × 8 bytes: input k's byte j holds output j (low nibble) and
+ *       output j + 8 (high nibble)                                           - 384 bytes / 512 weights
+ *   Q8: d[16] float32, then 32 × 16 int8: input k's 16 outputs                - 576 bytes / 512 weights
+ * Padding outputs (N not a multiple of 16) decode to zero. K must be a multiple of 32.
+ */
+#define QB 32
+#define Q4_BYTES (2 * P * 4 + QB * P / 2)
+#define Q8_BYTES (P * 4 + QB * P)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#if defined(__clang__)
+#define QNO_CONTRACT _Pragma("clang fp contract(off)")
+#else
+#define QNO_CONTRACT
+#endif
+typedef uint8_t vb8 __attribute__((vector_size(8), aligned(1)));
+typedef int8_t vc8 __attribute__((vector_size(8), aligned(1)));
+/* 8 bytes widened to 8 int32 lanes: one VPMOVZXBD / VPMOVSXBD with AVX2 (GCC's generic conversion
+ * of an 8-byte vector goes byte by byte through scalar registers: 3× slower decoding) */
+static inline __attribute__((always_inline)) vw8 widen_u8(const uint8_t *p) {
+#ifdef __AVX2__
+    return (vw8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vb8 *)p, vw8);
+#endif
+}
+static inline __attribute__((always_inline)) v8 widen_s8(const int8_t *p) {
+#ifdef __AVX2__
+    return __builtin_convertvector((vw8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), v8);
+#else
+    return __builtin_convertvector(*(const vc8 *)p, v8);
+#endif
+}
+
+static int same_bits(float a, float b) {
+    uint32_t x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    return x == y;
+}
+
+/* f rounded to the nearest half float (ties to even), as a float; f finite, |f| < 65504. */
+static float round_half(float f) {
+    if (fabsf(f) < 6.103515625e-05f) /* below 2^-14: half floats are multiples of 2^-24 */
+        return nearbyintf(f * 16777216.f) / 16777216.f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0xFFFu + ((u >> 13) & 1u)) & ~0x1FFFu;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* One output's 32 weights as Q4_1: d, m and the 32 q, or 0 when no d among the candidates decodes
+ * them exactly. m is the block's least weight (its q is 0, and fl(d·0) + m = m); d is tried as the
+ * half float nearest (max - min) / t for the largest code t = 15, then 14..12 (a block whose largest
+ * weight rounded to a smaller code). */
+static int fit_q4(const float *w, float *d, float *m, uint8_t *q) {
+    QNO_CONTRACT
+    float lo = w[0], hi = w[0];
+    for (int i = 1; i < QB; i++) {
+        lo = w[i] < lo ? w[i] : lo;
+        hi = w[i] > hi ? w[i] : hi;
+    }
+    if (!isfinite(lo) || !isfinite(hi) || fabsf(hi - lo) >= 65504.f * 12)
+        return 0;
+    *m = lo;
+    for (int t = 15; t >= 12; t--) {
+        float dd = hi == lo ? 0.f : round_half((hi - lo) / (float)t);
+        int ok = 1;
+        for (int i = 0; i < QB && ok; i++) {
+            float c = dd > 0.f ? nearbyintf((w[i] - lo) / dd) : 0.f;
+            c = c < 0.f ? 0.f : c > 15.f ? 15.f : c;
+            float prod = dd * c;
+            ok = same_bits(prod + lo, w[i]);
+            q[i] = (uint8_t)c;
+        }
+        if (ok) {
+            *d = dd;
+            return 1;
+        }
+        if (hi == lo)
+            break;
+    }
+    return 0;
+}
+
+/* One output's 32 weights as Q8_0 (w = fl(d·q)): d the half float nearest max|w| / t, t = 127..125. */
+static int fit_q8(const float *w, float *d, int8_t *q) {
+    QNO_CONTRACT
+    float amax = 0.f;
+    for (int i = 0; i < QB; i++) {
+        if (!isfinite(w[i]))
+            return 0;
+        amax = fabsf(w[i]) > amax ? fabsf(w[i]) : amax;
+    }
+    if (amax >= 65504.f * 125)
+        return 0;
+    for (int t = 127; t >= 125; t--) {
+        float dd = amax == 0.f ? 0.f : round_half(amax / (float)t);
+        int ok = 1;
+        for (int i = 0; i < QB && ok; i++) {
+            float c = dd > 0.f ? nearbyintf(w[i] / dd) : 0.f;
+            c = c < -128.f ? -128.f : c > 127.f ? 127.f : c;
+            ok = same_bits(dd * c, w[i]);
+            q[i] = (int8_t)c;
+        }
+        if (ok) {
+            *d = dd;
+            return 1;
+        }
+        if (amax == 0.f)
+            break;
+    }
+    return 0;
+}
+
+/* W [N, K] -> Q4 panels [ceil(N/16), K/32, 384]; returns the number of (output, block) pairs that are
+ * not exactly Q4_1 (the copy is usable only when it is 0). K % 32 == 0 (the caller checks). */
+int64_t bastion_pack_q4(const float *w, int64_t N, int64_t K, uint8_t *out, int nthreads) {
+    int64_t np = (N + P - 1) / P, nb = K / QB, bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+:bad)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t kb = 0; kb < nb; kb++) {
+            uint8_t *blk = out + (p * nb + kb) * Q4_BYTES;
+            float d[P], m[P];
+            uint8_t *qs = blk + 2 * P * 4;
+            memset(qs, 0, QB * P / 2);
+            for (int j = 0; j < P; j++) {
+                int64_t n = p * P + j;
+                uint8_t q[QB];
+                d[j] = m[j] = 0.f;
+                if (n >= N)
+                    continue;
+                if (!fit_q4(w + n * K + kb * QB, &d[j], &m[j], q)) {
+                    bad++;
+                    continue;
+                }
+                for (int k = 0; k < QB; k++)
+                    qs[k * 8 + (j & 7)] |= (uint8_t)(q[k] << (4 * (j >> 3)));
+            }
+            memcpy(blk, d, sizeof d);
+            memcpy(blk + P * 4, m, sizeof m);
+        }
+    return bad;
+}
+
+/* W [N, K] -> Q8 panels [ceil(N/16), K/32, 576]; returns the number of blocks that are not Q8_0. */
+int64_t bastion_pack_q8(const float *w, int64_t N, int64_t K, int8_t *out, int nthreads) {
+    int64_t np = (N + P - 1) / P, nb = K / QB, bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+:bad)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t kb = 0; kb < nb; kb++) {
+            int8_t *blk = out + (p * nb + kb) * Q8_BYTES;
+            float d[P];
+            int8_t *qs = blk + P * 4;
+            memset(qs, 0, QB * P);
+            for (int j = 0; j < P; j++) {
+                int64_t n = p * P + j;
+                int8_t q[QB];
+                d[j] = 0.f;
+                if (n >= N)
+                    continue;
+                if (!fit_q8(w + n * K + kb * QB, &d[j], q)) {
+                    bad++;
+                    continue;
+                }
+                for (int k = 0; k < QB; k++)
+                    qs[k * P + j] = q[k];
+            }
+            memcpy(blk, d, sizeof d);
+        }
+    return bad;
+}
+
+/* A thread's scratch for one decoded panel (K × 16 floats; kept between calls, grown as needed). */
+static __thread float *scratch_buf;
+static __thread int64_t scratch_len;
+static float *scratch(int64_t n) {
+    if (n > scratch_len) {
+        free(scratch_buf);
+        scratch_buf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+        scratch_len = scratch_buf ? n : 0;
+    }
+    return scratch_buf;
+}
+
+/* Decode Q4 / Q8 panel p into the float32 panel layout [K, 16]: w = (d·q) + m and w = d·q, each
+ * product and sum rounded as gguf's numpy rounds them (never fused: fp-contract is off here, and the
+ * functions are not inlined into code compiled with it on). */
+static __attribute__((noinline)) const float *decode_q4(const uint8_t *wp, int64_t p, int64_t K) {
+    QNO_CONTRACT
+    float *s = scratch(K * P);
+    if (!s)
+        return NULL;
+    int64_t nb = K / QB;
+    const uint8_t *src = wp + p * nb * Q4_BYTES;
+    for (int64_t kb = 0; kb < nb; kb++, src += Q4_BYTES) {
+        v8 d0, d1, m0, m1;
+        memcpy(&d0, src, 32);
+        memcpy(&d1, src + 32, 32);
+        memcpy(&m0, src + 64, 32);
+        memcpy(&m1, src + 96, 32);
+        const uint8_t *qs = src + 2 * P * 4;
+        float *dst = s + kb * QB * P;
+        for (int k = 0; k < QB; k++) {
+            vw8 c = widen_u8(qs + k * 8);
+            v8 lo = __builtin_convertvector(c & 15, v8), hi = __builtin_convertvector(c >> 4, v8);
+            v8 t0 = d0 * lo, t1 = d1 * hi;
+            *(v8 *)(dst + k * P) = t0 + m0;
+            *(v8 *)(dst + k * P + 8) = t1 + m1;
+        }
+    }
+    return s;
+}
+
+static __attribute__((noinline)) const float *decode_q8(const int8_t *wp, int64_t p, int64_t K) {
+    float *s = scratch(K * P);
+    if (!s)
+        return NULL;
+    int64_t nb = K / QB;
+    const int8_t *src = wp + p * nb * Q8_BYTES;
+    for (int64_t kb = 0; kb < nb; kb++, src += Q8_BYTES) {
+        v8 d0, d1;
+        memcpy(&d0, src, 32);
+        memcpy(&d1, src + 32, 32);
+        const int8_t *qs = src + P * 4;
+        float *dst = s + kb * QB * P;
+        for (int k = 0; k < QB; k++) {
+            *(v8 *)(dst + k * P) = d0 * widen_s8(qs + k * P);
+            *(v8 *)(dst + k * P + 8) = d1 * widen_s8(qs + k * P + 8);
+        }
+    }
+    return s;
+}
+
+#ifdef __FMA__
+/* acc + w·x rounded once, as the float32 kernel's `acc += w * xb` compiles on a CPU with FMA (GCC
+ * contracts it): the one operation of this region that must fuse, spelled out because fp-contract is
+ * off here. Without FMA (or off x86) one row goes through the scratch like several, whose FMAs are
+ * the float32 kernel's own code. */
+static inline __attribute__((always_inline)) v8 fma8(v8 w, v8 x, v8 acc) {
+    return (v8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
+}
+
+#define AHEAD 4 /* blocks of 32 inputs (~600 cycles of decoding): DRAM latency is ~100 ns */
+typedef float v8a __attribute__((vector_size(32), aligned(4), may_alias)); /* a v8 read from bytes */
+
+static inline __attribute__((always_inline)) void store_row(v8 a0, v8 a1, const float *b, float *y, int64_t N,
+                                                            int64_t n0) {
+    float out[P];
+    memcpy(out, &a0, sizeof(v8));
+    memcpy(out + 8, &a1, sizeof(v8));
+    int64_t m = N - n0 < P ? N - n0 : P;
+    for (int j = 0; j < m; j++) y[n0 + j] = b ? out[j] + b[n0 + j] : out[j];
+}
+
+/* rr rows (rr <= RQ; x rows ldx floats apart) times Q4 / Q8 panel p, decoding in registers: no
+ * scratch round trip, each decoded weight used by every row at once. A decoding step (one row) and the
+ * trees Bastion verifies on a CPU (a few rows) take this path; more rows go through the scratch, where
+ * a panel is decoded once for all passes. Every output's sum is one chain of FMAs in k order, the
+ * float32 kernel's order. */
+#define RQ 8 /* 2·RQ accumulators: AVX2's 16 registers spill a little at 7-8 rows, still ahead of the scratch */
+#define DEFINE_FUSED(NAME, WT, BYTES, DECODE)                                                      \
+static inline __attribute__((always_inline)) void NAME(const float *x, int64_t ldx, int rr, int cnt, \
+        const WT *wp, int64_t p, int64_t K, const float *b, float *y, int64_t N) {                 \
+    QNO_CONTRACT                                                                                   \
+    int64_t nb = K / QB, stride = nb * BYTES;                                                      \
+    const WT *src = wp + p * stride;                                                               \
+    v8 acc[2][RQ][2];                                                                              \
+    for (int c = 0; c < cnt; c++)                                                                  \
+        for (int i = 0; i < rr; i++) acc[c][i][0] = acc[c][i][1] = (v8){0};                        \
+    for (int64_t kb = 0; kb < nb; kb++, src += BYTES) {                                            \
+        for (int c = 0; c < cnt; c++)                                                              \
+            for (int l = 0; l < BYTES; l += 64) /* every line of the block AHEAD blocks on */     \
+                __builtin_prefetch(src + c * stride + AHEAD * BYTES + l);                          \
+        const float *xk = x + kb * QB;                                                             \
+        for (int k = 0; k < QB; k++)                                                               \
+            for (int c = 0; c < cnt; c++) {                                                        \
+                v8 w0, w1;                                                                         \
+                DECODE(src + c * stride, k, &w0, &w1);                                             \
+                for (int i = 0; i < rr; i++) {                                                     \
+                    float xv = xk[i * ldx + k];                                                    \
+                    v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};                                      \
+                    acc[c][i][0] = fma8(w0, xb, acc[c][i][0]);                                     \
+                    acc[c][i][1] = fma8(w1, xb, acc[c][i][1]);                                     \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+    for (int c = 0; c < cnt; c++)                                                                  \
+        for (int i = 0; i < rr; i++) store_row(acc[c][i][0], acc[c][i][1], b, y + i * N, N, (p + c) * P); \
+}
+
+/* Input k's 16 weights of a Q4 / Q8 block: (d·q) + m and d·q, rounded as gguf's numpy rounds them
+ * (fp-contract is off in this region: the products and sums are not fused). */
+static inline __attribute__((always_inline)) void dec_q4(const uint8_t *blk, int k, v8 *w0, v8 *w1) {
+    QNO_CONTRACT
+    vw8 q = widen_u8(blk + 2 * P * 4 + k * 8);
+    v8 t0 = *(const v8a *)blk * __builtin_convertvector(q & 15, v8);
+    v8 t1 = *(const v8a *)(blk + 32) * __builtin_convertvector(q >> 4, v8);
+    *w0 = t0 + *(const v8a *)(blk + 64);
+    *w1 = t1 + *(const v8a *)(blk + 96);
+}
+static inline __attribute__((always_inline)) void dec_q8(const int8_t *blk, int k, v8 *w0, v8 *w1) {
+    QNO_CONTRACT
+    *w0 = *(const v8a *)blk * widen_s8(blk + P * 4 + k * P);
+    *w1 = *(const v8a *)(blk + 32) * widen_s8(blk + P * 4 + k * P + 8);
+}
+DEFINE_FUSED(fused_q4, uint8_t, Q4_BYTES, dec_q4)
+DEFINE_FUSED(fused_q8, int8_t, Q8_BYTES, dec_q8)
+
+/* The gemm loop's hook for few rows: 1 when panel p is done, 0 for the scratch path (R > RQ). One or
+ * two rows run two panels side by side (an even panel takes its odd neighbour along; the odd ones then
+ * return at once): each output's FMAs form one chain whose latency bounds a k step, and 2·rr chains
+ * of one panel are too few to hide it. */
+#define FCASE(F, n, c) case n: F(x, K, n, c, wp, p, K, b, y, N); return 1;
+#define DEFINE_ROWS(NAME, WT, F)                                                                   \
+static __attribute__((noinline)) int NAME(const float *x, int64_t R, const WT *wp, int64_t p, int64_t K, \
+                                          const float *b, float *y, int64_t N) {                  \
+    if (R <= 2) {                                                                                  \
+        if (p & 1)                                                                                 \
+            return 1;                                                                              \
+        int pair = p + 1 < (N + P - 1) / P;                                                        \
+        if (R == 1) {                                                                              \
+            if (pair) F(x, K, 1, 2, wp, p, K, b, y, N); else F(x, K, 1, 1, wp, p, K, b, y, N);     \
+        } else {                                                                                   \
+            if (pair) F(x, K, 2, 2, wp, p, K, b, y, N); else F(x, K, 2, 1, wp, p, K, b, y, N);     \
+        }                                                                                          \
+        return 1;                                                                                  \
+    }                                                                                              \
+    switch (R) {                                                                                   \
+        FCASE(F, 3, 1) FCASE(F, 4, 1) FCASE(F, 5, 1) FCASE(F, 6, 1) FCASE(F, 7, 1) FCASE(F, 8, 1)  \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+DEFINE_ROWS(row_q4, uint8_t, fused_q4)
+DEFINE_ROWS(row_q8, int8_t, fused_q8)
+#define ROW_Q4(x, R, wp, p, K, b, y, N) row_q4(x, R, wp, p, K, b, y, N)
+#define ROW_Q8(x, R, wp, p, K, b, y, N) row_q8(x, R, wp, p, K, b, y, N)
+#else
+#define ROW_Q4(x, R, wp, p, K, b, y, N) 0
+#define ROW_Q8(x, R, wp, p, K, b, y, N) 0
+#endif
+#pragma GCC pop_options
+
+#define PANEL panel
+DEFINE_GEMM(bastion_gemm_q4, uint8_t, float, decode_q4, ROW_Q4)
+DEFINE_GEMM(bastion_gemm_q8, int8_t, float, decode_q8, ROW_Q8)
 #undef PANEL
 
 /* ---------------------------------------------------------------------------------------------

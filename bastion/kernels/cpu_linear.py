@@ -38,9 +38,9 @@ from torch import nn
 
 from . import cpu_native
 
-# packed native kernel · the same with bf16 weights (drafters only) · torch's few-row
-# routines · plain F.linear
-MODES = ("native", "native-bf16", "fast", "stock")
+# packed native kernel (exact 4/8-bit panels where lossless) · the same on float32 panels only · the
+# same with bf16 weights (drafters only) · torch's few-row routines · plain F.linear
+MODES = ("native", "native-f32", "native-bf16", "fast", "stock")
 MAX_ROWS = 64  # above this MKL's gemm is as fast (prefill, training batches)
 GEMM_ROWS = 4  # up to this many rows (W xᵀ)ᵀ beats oneDNN
 
@@ -72,22 +72,26 @@ def fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _native(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] times the packed weight of `n` outputs → [..., n] (callers checked ``fast_path``);
     bf16 panels run a low-precision kernel (:func:`cpu_native.pack_bf16` / :func:`cpu_native.pack_h16`)."""
-    if panels.dtype != torch.bfloat16:
+    if panels.dtype != torch.bfloat16:  # float32 or exact compressed panels
         mul = cpu_native.linear
     else:  # [np, K/2, 16, 2]: AVX512-BF16 pairs; [np, K, 16]: bf16 weights widened (AVX2)
         mul = cpu_native.linear_bf16 if panels.dim() == 4 else cpu_native.linear_h16
     return mul(x.reshape(-1, x.shape[-1]), panels, n, bias).reshape(*x.shape[:-1], n)
 
 
-def pack_for(weight: torch.Tensor, low_precision: bool) -> torch.Tensor:
+def pack_for(weight: torch.Tensor, low_precision: bool, compress: bool = True) -> torch.Tensor:
     """The panels the native kernel reads for `weight`: with `low_precision`, bf16 pairs where
     AVX512-BF16 runs them (an even number of inputs; inputs rounded too) and bf16 weights widened in
-    registers elsewhere (inputs and sums float32); float32 panels otherwise."""
+    registers elsewhere (inputs and sums float32); otherwise, with `compress`, exact 4- or 8-bit panels
+    when the weight is losslessly Q4_1 / Q8_0 (:func:`cpu_native.pack_exact`: weights dequantised from
+    a llama.cpp file, the embedded target's; the same product bits from a fifth to a quarter of the
+    bytes), else float32 panels."""
     if low_precision and weight.shape[1] % 2 == 0 and cpu_native.bf16_available():
         return cpu_native.pack_bf16(weight)
     if low_precision:
         return cpu_native.pack_h16(weight)
-    return cpu_native.pack(weight)
+    exact = cpu_native.pack_exact(weight) if compress else None
+    return exact if exact is not None else cpu_native.pack(weight)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -129,15 +133,16 @@ class SkinnyLinear(nn.Linear):
 
     native = False
     low_precision = False
+    compress = True  # mode "native": exact 4/8-bit panels where lossless; "native-f32": float32 panels
 
     def panels(self) -> torch.Tensor:
-        """``pack_for(self.weight, self.low_precision)``, cached on the module (not a buffer: never
-        saved or moved)."""
+        """``pack_for(self.weight, self.low_precision, self.compress)``, cached on the module (not a
+        buffer: never saved or moved)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), self.low_precision)
+        key = (w.data_ptr(), w._version, tuple(w.shape), self.low_precision, self.compress)
         got = self.__dict__.get("_panels")
         if got is None or got[0] != key:
-            got = (key, pack_for(w, self.low_precision))
+            got = (key, pack_for(w, self.low_precision, self.compress))
             self.__dict__["_panels"] = got
         return got[1]
 
@@ -162,7 +167,9 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     """Set how every linear layer inside `module` multiplies, in place; returns the number changed.
 
     `on`: a mode of :data:`MODES` — ``"native"`` (:class:`SkinnyLinear` on the packed native kernel,
-    torch's routines where it cannot be built), ``"native-bf16"`` (the same on bf16 panels: drafters
+    torch's routines where it cannot be built; weights that are exactly Q4_1 / Q8_0 packed in 4 / 8
+    bits, the same product bits), ``"native-f32"`` (the same on float32 panels only: the kernel before
+    exact compression, for comparisons), ``"native-bf16"`` (the same on bf16 panels: drafters
     only), ``"fast"`` (:class:`SkinnyLinear` on torch's few-row
     routines), ``"stock"`` (plain ``nn.Linear``) — or True / False for ``"fast"`` / ``"stock"``.
     Only the class changes (parameters, tied weights, hooks and state-dict keys stay), and the choice
@@ -174,18 +181,22 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     for m in module.modules():
         if type(m) not in (nn.Linear, SkinnyLinear):
             continue
-        before = (type(m), getattr(m, "native", None), getattr(m, "low_precision", None))
+        def state(m):
+            return type(m), getattr(m, "native", None), getattr(m, "low_precision", None), getattr(m, "compress", None)
+
+        before = state(m)
         if mode == "stock":
             m.__class__ = nn.Linear
-            for attr in ("_panels", "native", "low_precision"):
+            for attr in ("_panels", "native", "low_precision", "compress"):
                 m.__dict__.pop(attr, None)
         else:
             m.__class__ = SkinnyLinear
-            m.native = mode in ("native", "native-bf16")
+            m.native = mode.startswith("native")
             m.low_precision = mode == "native-bf16"
+            m.compress = mode == "native"
             if not m.native:
                 m.__dict__.pop("_panels", None)
-        n += before != (type(m), getattr(m, "native", None), getattr(m, "low_precision", None))
+        n += before != state(m)
     if n:
         global _mode_changes
         _mode_changes += 1

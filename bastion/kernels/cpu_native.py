@@ -124,6 +124,12 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_gemm_bf16_available.restype = I
     lib.bastion_gemm_h16.argtypes = [V, I64, V, I64, I64, V, V, I]
     lib.bastion_gemm_h16.restype = None
+    for name in ("bastion_gemm_q4", "bastion_gemm_q8"):
+        getattr(lib, name).argtypes = [V, I64, V, I64, I64, V, V, I]
+        getattr(lib, name).restype = I
+    for name in ("bastion_pack_q4", "bastion_pack_q8"):
+        getattr(lib, name).argtypes = [V, I64, I64, V, I]
+        getattr(lib, name).restype = I64
     lib.bastion_attn_f32.argtypes = [V, I64, I64, V, I64, I64, V, I64, I64, V, I64, V, I64, I64, I64, I64, I64,
                                      ctypes.c_float, I]
     lib.bastion_attn_f32.restype = I
@@ -212,20 +218,70 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` for x [R, K] (R ≥ 1) from W's panels (:func:`pack`) → [R, n] float32."""
+    """``x Wᵀ + b`` for x [R, K] (R ≥ 1) from W's panels → [R, n] float32: float32 panels
+    (:func:`pack`) or exact compressed ones (:func:`pack_exact`), which give the same bits."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"native CPU kernel unavailable: {_why}")
     r, k = x.shape
-    if panels.shape[1] != k or panels.shape[0] * 16 < n:
-        raise ValueError(f"panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+    fn = _product_fn(panels, n, k)
     x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
     y = torch.empty(r, n, dtype=torch.float32)
-    lib.bastion_gemm_f32(x.data_ptr(), r, panels.data_ptr(), n, k,
-                         None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    if fn(x.data_ptr(), r, panels.data_ptr(), n, k, None if bias is None else bias.data_ptr(), y.data_ptr(),
+          torch.get_num_threads()):
+        raise MemoryError("native CPU kernel: no memory for a decoded panel")
     return y
+
+
+# Exact compressed panels (cpu_gemm.c): per 16 outputs and 32 inputs, Q4 = 16 scales, 16 minima
+# (float32) and 512 4-bit codes; Q8 = 16 scales and 512 int8 codes. Told apart by dtype.
+QBLOCK, Q4_BYTES, Q8_BYTES = 32, 384, 576
+_EXACT = {torch.uint8: ("bastion_gemm_q4", Q4_BYTES), torch.int8: ("bastion_gemm_q8", Q8_BYTES)}
+
+
+def _product_fn(panels: torch.Tensor, n: int, k: int):
+    """The C product that reads `panels`, after checking they hold an [n, k] weight."""
+    if panels.dtype == torch.float32:
+        if panels.dim() != 3 or panels.shape[1] != k or panels.shape[2] != 16 or panels.shape[0] * 16 < n:
+            raise ValueError(f"panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+        return _lib.bastion_gemm_f32
+    if panels.dtype in _EXACT:
+        name, nbytes = _EXACT[panels.dtype]
+        if panels.dim() != 3 or panels.shape[1] * QBLOCK != k or panels.shape[2] != nbytes \
+                or panels.shape[0] * 16 < n:
+            raise ValueError(f"compressed panels {tuple(panels.shape)} {panels.dtype} do not hold a [{n}, {k}] weight")
+        return getattr(_lib, name)
+    raise ValueError(f"panels of dtype {panels.dtype} are not float32 or exact compressed panels")
+
+
+def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
+    """W [N, K] float32 → exact compressed panels, or None when W is not exactly representable.
+
+    Weights dequantised from llama.cpp's Q4_1 or Q8_0 blocks (the embedded SmolLM2's matrices and its
+    LM head) take at most 16 or 256 values per 32 inputs of an output: their scales, minima and codes
+    are recovered per block and kept only if decoding gives back every weight bit for bit (Q4_1 is
+    tried first, then Q8_0) — uint8 panels [ceil(N/16), K/32, 384] (0.75 bytes a weight) or int8
+    [ceil(N/16), K/32, 576] (1.125). :func:`linear` over them returns the bits of the float32 product,
+    reading 5.3× or 3.6× fewer bytes. None for any other weight (random, trained, K % 32 ≠ 0)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_exact wants a 2-D CPU float32 weight, got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % QBLOCK:
+        return None
+    w = weight.detach().contiguous()
+    shape = ((n + 15) // 16, k // QBLOCK)
+    for dtype, (name, nbytes) in _EXACT.items():
+        out = torch.empty(*shape, nbytes, dtype=dtype)
+        fit = lib.bastion_pack_q4 if dtype == torch.uint8 else lib.bastion_pack_q8
+        if fit(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == 0:
+            return out
+    return None
 
 
 class Product:
@@ -235,19 +291,20 @@ class Product:
     the CPU with K = the weight's inputs — the caller's promise (only contiguity is checked). The same
     kernel and arguments, so the same bits; what it drops is ~20 µs of Python a call (module dispatch,
     the fast-path and panel checks, reshapes): ~5 ms of a 40 ms one-row step of the embedded target,
-    whose 210 products it runs (``target.Target._lean_forward``). Holds its panels (and bias), so they
-    outlive the module's own cache of them until the caller drops the product."""
+    whose 210 products it runs (``target.Target._lean_forward``). Float32 or exact compressed panels
+    (:func:`pack_exact`). Holds its panels (and bias), so they outlive the module's own cache of them
+    until the caller drops the product."""
 
-    __slots__ = ("panels", "bias", "n", "k", "_pp", "_bp")
+    __slots__ = ("panels", "bias", "n", "k", "_pp", "_bp", "_fn")
 
     def __init__(self, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
         if library() is None:
             raise RuntimeError(f"native CPU kernel unavailable: {_why}")
-        if panels.dtype != torch.float32 or panels.dim() != 3 or panels.shape[2] != 16 or panels.shape[0] * 16 < n:
-            raise ValueError(f"panels {tuple(panels.shape)} {panels.dtype} do not hold {n} float32 outputs")
+        k = panels.shape[1] * (QBLOCK if panels.dtype in _EXACT else 1) if panels.dim() == 3 else -1
+        self._fn = _product_fn(panels, n, k)
         if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
             raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} is not {n} float32 values")
-        self.panels, self.n, self.k = panels.contiguous(), n, panels.shape[1]
+        self.panels, self.n, self.k = panels.contiguous(), n, k
         self.bias = None if bias is None else bias.detach().contiguous()
         self._pp = self.panels.data_ptr()
         self._bp = None if self.bias is None else self.bias.data_ptr()
@@ -257,7 +314,8 @@ class Product:
             x = x.contiguous()
         r = x.shape[0]
         y = torch.empty(r, self.n, dtype=torch.float32)
-        _lib.bastion_gemm_f32(x.data_ptr(), r, self._pp, self.n, self.k, self._bp, y.data_ptr(), threads)
+        if self._fn(x.data_ptr(), r, self._pp, self.n, self.k, self._bp, y.data_ptr(), threads):
+            raise MemoryError("native CPU kernel: no memory for a decoded panel")
         return y
 
 

@@ -1,0 +1,122 @@
+"""Exact compressed panels (kernels/cpu_gemm.c, cpu_native.pack_exact): weights that are losslessly
+Q4_1 / Q8_0 packed in 4 / 8 bits give the float32 product's bits."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bastion.kernels import cpu_native
+from bastion.kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, use_skinny_linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not cpu_native.available():
+        pytest.skip(f"native kernel unavailable: {cpu_native.unavailable_reason()}")
+
+
+def gguf_weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as the embedded model's were made: quantised by gguf's reference code (the
+    llama.cpp algorithm, in numpy) and dequantised by it, as transformers' GGUF loader does."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[kind]
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind,dtype", [("q4_1", torch.uint8), ("q8_0", torch.int8)])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (192, 576), (576, 1536), (1000, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 13, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_exact_panels_give_the_float32_products_bits(kind, dtype, n, k, rows, with_bias):
+    w = gguf_weight(n, k, kind, seed=n + k)
+    packed = cpu_native.pack_exact(w)
+    assert packed is not None and packed.dtype == dtype
+    assert packed.shape == ((n + 15) // 16, k // 32, 384 if dtype == torch.uint8 else 576)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    want = cpu_native.linear(x, cpu_native.pack(w), n, b)
+    assert torch.equal(cpu_native.linear(x, packed, n, b), want)
+    assert torch.equal(cpu_native.Product(packed, n, b)(x, torch.get_num_threads()), want)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_exact_panels_decode_every_weight_and_rows_stand_alone(kind):
+    """x = I reads every decoded weight back (each output is one product 1·w plus zeros); a row's
+    result does not depend on its neighbours (one row decodes in registers, several through scratch)."""
+    n, k = 70, 128
+    w = gguf_weight(n, k, kind)
+    packed = cpu_native.pack_exact(w)
+    assert torch.equal(cpu_native.linear(torch.eye(k), packed, n).t(), w)
+    x = torch.randn(9, k)
+    together = cpu_native.linear(x, packed, n)
+    for i in range(9):
+        assert torch.equal(cpu_native.linear(x[i:i + 1], packed, n)[0], together[i])
+
+
+def test_other_weights_are_not_compressed():
+    w = gguf_weight(48, 64, "q4_1")
+    assert cpu_native.pack_exact(w) is not None
+    off = w.clone()
+    off[7, 40] = torch.nextafter(off[7, 40], torch.tensor(1.0))  # one weight one ulp off its grid
+    assert cpu_native.pack_exact(off) is None
+    assert cpu_native.pack_exact(torch.randn(48, 64)) is None  # trained / random weights
+    assert cpu_native.pack_exact(gguf_weight(48, 64, "q4_1")[:, :48].contiguous()) is None  # K % 32 ≠ 0
+    assert cpu_native.pack_exact(torch.zeros(0, 64)) is None
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    assert cpu_native.pack_exact(nan) is None
+    assert pack_for(off, False).dtype == torch.float32  # the float32 panels then
+    with pytest.raises(ValueError, match="2-D CPU float32"):
+        cpu_native.pack_exact(w.double())
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu_native.linear(torch.randn(2, 32), cpu_native.pack_exact(w), 48)  # K = 64, not 32
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu_native.Product(cpu_native.pack_exact(w), 64)  # 48 outputs, not 64
+
+
+def test_modes_native_and_native_f32():
+    """``native`` packs an exact weight in 4 bits, ``native-f32`` in float32: the outputs are the same
+    bits; switching repacks and is counted (the lean loop remakes its plan on the counter)."""
+    lin = nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(gguf_weight(48, 64, "q4_1"))
+    use_skinny_linear(lin, "native")
+    assert isinstance(lin, SkinnyLinear) and lin.panels().dtype == torch.uint8
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        compressed = lin(x)
+    before = mode_changes()
+    assert use_skinny_linear(lin, "native-f32") == 1 and mode_changes() == before + 1
+    assert lin.panels().dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(lin(x), compressed)
+    with torch.no_grad():  # a weight edited off the grid: repacked, in float32, and still right
+        lin.weight[0, 0] += 1e-3
+    use_skinny_linear(lin, "native")
+    assert lin.panels().dtype == torch.float32
+    with torch.no_grad():
+        assert torch.allclose(lin(x), x @ lin.weight.t() + lin.bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_embedded_target_compresses_exactly_and_keeps_its_logits():
+    """Every matrix of the embedded SmolLM2 (210 Q4_1 + the Q8_0 LM head) packs exactly, and its
+    logits — one token at a time and inside a tree — are the same bits in both modes."""
+    from bastion.loading import EMBEDDED, encode_prompt, load_target
+    from tiny import path_logits_in_tree_and_alone
+
+    target = load_target(EMBEDDED, torch.float32, "cpu", progress=None)
+    lins = [m for m in target.model.modules() if isinstance(m, SkinnyLinear)]
+    assert len(lins) == 211 and all(m.panels().dtype in (torch.uint8, torch.int8) for m in lins)
+    ctx = torch.tensor(encode_prompt(target.tokenizer, "Name three rivers in Europe."))
+    outs = {}
+    for mode in ("native", "native-f32"):
+        use_skinny_linear(target.model, mode)
+        outs[mode] = path_logits_in_tree_and_alone(target, ctx, [504, 3158, 2909, 30], [77, 99, 111])
+    assert all(m.panels().dtype == torch.float32 for m in lins)
+    for (tree_a, alone_a), (tree_b, alone_b) in zip(outs["native"], outs["native-f32"]):
+        assert torch.equal(tree_a, tree_b) and torch.equal(alone_a, alone_b) and torch.equal(tree_a, alone_a)
