@@ -104,25 +104,15 @@ DEFINE_PANEL(panel_h16, uint16_t, load_h16)
 /* y [R, N] = x [R, K] times the panels (+ b): passes of up to RB rows over each panel, the panels
  * split between threads; one row runs as two copies of itself (two independent accumulator chains
  * per output; measured 17 vs 13.5 ms for the whole model), and passes are equal (16 rows as 8 + 8,
- * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread.
- * PANEL_OF(wp, p, K) is panel p's weights as the PANEL function reads them: a pointer into wp for
- * float32 and bf16 panels, a thread's scratch copy decoded from the compressed panel for the exact
- * compressed formats below (NULL when that scratch cannot be allocated: the call returns -1). */
-#define DEFINE_GEMM(NAME, WT, PT, PANEL_OF, ROW)                                                        \
-int NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                            \
-         const float *b, float *y, int nthreads) {                                                 \
+ * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread. */
+#define DEFINE_GEMM(NAME, WT)                                                                      \
+void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                           \
+          const float *b, float *y, int nthreads) {                                                \
     int64_t np = (N + P - 1) / P;                                                                  \
-    int failed = 0;                                                                                \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads) reduction(|:failed) if (np * K * R > 32768)") \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
     for (int64_t p = 0; p < np; p++) {                                                             \
+        const WT *wpp = wp + p * K * P;                                                            \
         int64_t n0 = p * P;                                                                        \
-        if (ROW(x, R, wp, p, K, b, y, N))                                                          \
-            continue;                                                                              \
-        const PT *wpp = PANEL_OF(wp, p, K);                                                        \
-        if (!wpp) {                                                                                \
-            failed = 1;                                                                            \
-            continue;                                                                              \
-        }                                                                                          \
         if (R == 1) {                                                                              \
             PANEL(x, 0, 2, 1, wpp, K, b, y, N, n0);                                                \
             continue;                                                                              \
@@ -140,25 +130,91 @@ int NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,         
             r0 += rr;                                                                              \
         }                                                                                          \
     }                                                                                              \
-    return failed ? -1 : 0;                                                                        \
 }
 #if RB > 6
 #define CASES_OVER_6 CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #else
 #define CASES_OVER_6
 #endif
-#define PLAIN_PANEL(wp, p, K) ((wp) + (p) * (K) * P)
-#define NO_ROW(x, R, wp, p, K, b, y, N) 0 /* float32 / bf16 panels: one row goes through PANEL too */
 
 #define PANEL panel
-DEFINE_GEMM(bastion_gemm_f32, float, float, PLAIN_PANEL, NO_ROW)
+DEFINE_GEMM(bastion_gemm_f32, float)
 #undef PANEL
 #define PANEL panel_h16
 /* bf16 weights, float32 inputs and sums: a drafter's products on CPUs without AVX512-BF16 (half
  * the bytes of the float32 panels; each weight widened exactly, so the result is the float32
  * product of the bf16-rounded weight). Panels [ceil(N/16), K, 16] of uint16. */
-DEFINE_GEMM(bastion_gemm_h16, uint16_t, uint16_t, PLAIN_PANEL, NO_ROW)
+DEFINE_GEMM(bastion_gemm_h16, uint16_t)
 #undef PANEL
+
+/* rr rows times KC-input chunk of a decoded panel, the accumulators carried in memory between chunks
+ * (exact: stored and reloaded as they are), so each output's FMAs keep the float32 kernel's k order.
+ * The same `acc += w * x` as `panel`, compiled with contraction as it is. */
+#define KC 128 /* inputs per decoded chunk: 128 × 16 floats = 8 KB, in L1 with the rows' inputs */
+static inline __attribute__((always_inline)) void
+chunk_pass(const float *x, int64_t ldx, int rr, const float *wc, int kc, v8 (*acc)[2]) {
+    v8 a[RB][2];
+    for (int i = 0; i < rr; i++) a[i][0] = acc[i][0], a[i][1] = acc[i][1];
+    for (int k = 0; k < kc; k++) {
+        v8 w0, w1;
+        load_f32(wc + k * P, &w0, &w1);
+        for (int i = 0; i < rr; i++) {
+            float xv = x[i * ldx + k];
+            v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            a[i][0] += w0 * xb;
+            a[i][1] += w1 * xb;
+        }
+    }
+    for (int i = 0; i < rr; i++) acc[i][0] = a[i][0], acc[i][1] = a[i][1];
+}
+#define CCASE(n) case n: chunk_pass(xr, K, n, wc, kc, acc + r0); break;
+
+/* Panel p of a compressed weight for many rows: groups of up to 64 rows; per group, chunks of KC
+ * inputs decoded into an L1 buffer (DECODE(blocks, count, buffer)), each chunk run by passes of up to
+ * RB rows over it. */
+#define DEFINE_CHUNKED(NAME, WT, BYTES, DECODE)                                                    \
+static __attribute__((noinline)) void NAME(const float *x, int64_t R, const WT *wp, int64_t p, int64_t K, \
+                                           const float *b, float *y, int64_t N) {                  \
+    v8 acc[64][2];                                                                                 \
+    float wc[KC * P] __attribute__((aligned(64)));                                                 \
+    int64_t nb = K / QB;                                                                           \
+    const WT *src = wp + p * nb * BYTES;                                                           \
+    for (int64_t g0 = 0; g0 < R; g0 += 64) {                                                       \
+        int64_t G = R - g0 < 64 ? R - g0 : 64;                                                     \
+        for (int64_t i = 0; i < G; i++) acc[i][0] = acc[i][1] = (v8){0};                           \
+        for (int64_t kb = 0; kb < nb; kb += KC / QB) {                                             \
+            int64_t nblk = nb - kb < KC / QB ? nb - kb : KC / QB;                                  \
+            int kc = (int)(nblk * QB);                                                             \
+            DECODE(src + kb * BYTES, nblk, wc);                                                    \
+            int64_t npass = (G + RB - 1) / RB;                                                     \
+            for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {                                 \
+                int rr = (int)((G - r0) / (npass - pass));                                         \
+                if (rr > RB) rr = RB;                                                              \
+                const float *xr = x + (g0 + r0) * K + kb * QB;                                     \
+                switch (rr) {                                                                      \
+                    CCASE(1) CCASE(2) CCASE(3) CCASE(4) CCASE(5) CCASE(6)                          \
+                    CCASES_OVER_6                                                                  \
+                }                                                                                  \
+                r0 += rr;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = 0; i < G; i++) store_row(acc[i][0], acc[i][1], b, y + (g0 + i) * N, N, p * P); \
+    }                                                                                              \
+}
+#if RB > 6
+#define CCASES_OVER_6 CCASE(7) CCASE(8) CCASE(9) CCASE(10) CCASE(11) CCASE(12)
+#else
+#define CCASES_OVER_6
+#endif
+
+static inline __attribute__((always_inline)) void store_row(v8 a0, v8 a1, const float *b, float *y, int64_t N,
+                                                            int64_t n0) {
+    float out[P];
+    memcpy(out, &a0, sizeof(v8));
+    memcpy(out + 8, &a1, sizeof(v8));
+    int64_t m = N - n0 < P ? N - n0 : P;
+    for (int j = 0; j < m; j++) y[n0 + j] = b ? out[j] + b[n0 + j] : out[j];
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Exact compressed weights: float32 products over weights stored in 4 or 8 bits, bit for bit.
@@ -169,9 +225,10 @@ DEFINE_GEMM(bastion_gemm_h16, uint16_t, uint16_t, PLAIN_PANEL, NO_ROW)
  * dequantisation) and its tied embedding / LM head from Q8_0 (w = d·q, q in -128..127). The pack
  * functions recover d, m and q for every block of 32 inputs and keep the matrix only when decoding
  * gives back every weight bit for bit; they return how many blocks do not (0: the packed copy is
- * exact). The product decodes a panel into a thread's float32 scratch (the float32 panel layout, in
- * L2) and runs the float32 kernel over it: the same weights, the same FMAs in the same order, so the
- * same bits as the float32 panels - from 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead of 4.
+ * exact). The product decodes the weights as it goes (in registers for up to RQ rows, through L1
+ * chunks for more) and multiplies them as the float32 kernel does: the same weights, the same FMAs in
+ * the same order, so the same bits as the float32 panels - from 0.75 (Q4_1) or 1.125 (Q8_0) bytes a
+ * weight instead of 4.
  * At one row the float32 product streams 4 bytes a weight from memory and waits on it (~25 ms of a
  * ~35 ms step of the embedded target on the Zen 3); decoding costs a few instructions per 16 weights.
  *
@@ -209,6 +266,9 @@ static inline __attribute__((always_inline)) v8 widen_s8(const int8_t *p) {
     return __builtin_convertvector(*(const vc8 *)p, v8);
 #endif
 }
+
+#define AHEAD 4 /* blocks of 32 inputs (~600 cycles of decoding): DRAM latency is ~100 ns */
+typedef float v8a __attribute__((vector_size(32), aligned(4), may_alias)); /* a v8 read from bytes */
 
 static int same_bits(float a, float b) {
     uint32_t x, y;
@@ -350,94 +410,55 @@ int64_t bastion_pack_q8(const float *w, int64_t N, int64_t K, int8_t *out, int n
     return bad;
 }
 
-/* A thread's scratch for one decoded panel (K × 16 floats; kept between calls, grown as needed). */
-static __thread float *scratch_buf;
-static __thread int64_t scratch_len;
-static float *scratch(int64_t n) {
-    if (n > scratch_len) {
-        free(scratch_buf);
-        scratch_buf = aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
-        scratch_len = scratch_buf ? n : 0;
-    }
-    return scratch_buf;
-}
-
-/* Decode Q4 / Q8 panel p into the float32 panel layout [K, 16]: w = (d·q) + m and w = d·q, each
- * product and sum rounded as gguf's numpy rounds them (never fused: fp-contract is off here, and the
- * functions are not inlined into code compiled with it on). */
-static __attribute__((noinline)) const float *decode_q4(const uint8_t *wp, int64_t p, int64_t K) {
+/* Decode n consecutive Q4 / Q8 blocks (one panel, 32 inputs each) into the float32 panel layout
+ * [32·n, 16]: w = (d·q) + m and w = d·q, each product and sum rounded as gguf's numpy rounds them
+ * (fp-contract is off in this region, and the functions are not inlined into code compiled with it). */
+static __attribute__((noinline)) void decode_q4(const uint8_t *src, int64_t n, float *dst) {
     QNO_CONTRACT
-    float *s = scratch(K * P);
-    if (!s)
-        return NULL;
-    int64_t nb = K / QB;
-    const uint8_t *src = wp + p * nb * Q4_BYTES;
-    for (int64_t kb = 0; kb < nb; kb++, src += Q4_BYTES) {
-        v8 d0, d1, m0, m1;
-        memcpy(&d0, src, 32);
-        memcpy(&d1, src + 32, 32);
-        memcpy(&m0, src + 64, 32);
-        memcpy(&m1, src + 96, 32);
+    for (int64_t kb = 0; kb < n; kb++, src += Q4_BYTES, dst += QB * P) {
+        v8 d0 = *(const v8a *)src, d1 = *(const v8a *)(src + 32);
+        v8 m0 = *(const v8a *)(src + 64), m1 = *(const v8a *)(src + 96);
         const uint8_t *qs = src + 2 * P * 4;
-        float *dst = s + kb * QB * P;
         for (int k = 0; k < QB; k++) {
             vw8 c = widen_u8(qs + k * 8);
-            v8 lo = __builtin_convertvector(c & 15, v8), hi = __builtin_convertvector(c >> 4, v8);
-            v8 t0 = d0 * lo, t1 = d1 * hi;
+            v8 t0 = d0 * __builtin_convertvector(c & 15, v8), t1 = d1 * __builtin_convertvector(c >> 4, v8);
             *(v8 *)(dst + k * P) = t0 + m0;
             *(v8 *)(dst + k * P + 8) = t1 + m1;
         }
     }
-    return s;
 }
 
-static __attribute__((noinline)) const float *decode_q8(const int8_t *wp, int64_t p, int64_t K) {
-    float *s = scratch(K * P);
-    if (!s)
-        return NULL;
-    int64_t nb = K / QB;
-    const int8_t *src = wp + p * nb * Q8_BYTES;
-    for (int64_t kb = 0; kb < nb; kb++, src += Q8_BYTES) {
-        v8 d0, d1;
-        memcpy(&d0, src, 32);
-        memcpy(&d1, src + 32, 32);
+static __attribute__((noinline)) void decode_q8(const int8_t *src, int64_t n, float *dst) {
+    QNO_CONTRACT
+    for (int64_t kb = 0; kb < n; kb++, src += Q8_BYTES, dst += QB * P) {
+        v8 d0 = *(const v8a *)src, d1 = *(const v8a *)(src + 32);
         const int8_t *qs = src + P * 4;
-        float *dst = s + kb * QB * P;
         for (int k = 0; k < QB; k++) {
             *(v8 *)(dst + k * P) = d0 * widen_s8(qs + k * P);
             *(v8 *)(dst + k * P + 8) = d1 * widen_s8(qs + k * P + 8);
         }
     }
-    return s;
 }
 
 #ifdef __FMA__
 /* acc + w·x rounded once, as the float32 kernel's `acc += w * xb` compiles on a CPU with FMA (GCC
  * contracts it): the one operation of this region that must fuse, spelled out because fp-contract is
- * off here. Without FMA (or off x86) one row goes through the scratch like several, whose FMAs are
- * the float32 kernel's own code. */
+ * off here. Without FMA (or off x86) every row count goes through the chunks, whose FMAs are the
+ * float32 kernel's own code. */
 static inline __attribute__((always_inline)) v8 fma8(v8 w, v8 x, v8 acc) {
     return (v8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
 }
 
-#define AHEAD 4 /* blocks of 32 inputs (~600 cycles of decoding): DRAM latency is ~100 ns */
-typedef float v8a __attribute__((vector_size(32), aligned(4), may_alias)); /* a v8 read from bytes */
 
-static inline __attribute__((always_inline)) void store_row(v8 a0, v8 a1, const float *b, float *y, int64_t N,
-                                                            int64_t n0) {
-    float out[P];
-    memcpy(out, &a0, sizeof(v8));
-    memcpy(out + 8, &a1, sizeof(v8));
-    int64_t m = N - n0 < P ? N - n0 : P;
-    for (int j = 0; j < m; j++) y[n0 + j] = b ? out[j] + b[n0 + j] : out[j];
-}
 
 /* rr rows (rr <= RQ; x rows ldx floats apart) times Q4 / Q8 panel p, decoding in registers: no
- * scratch round trip, each decoded weight used by every row at once. A decoding step (one row) and the
- * trees Bastion verifies on a CPU (a few rows) take this path; more rows go through the scratch, where
- * a panel is decoded once for all passes. Every output's sum is one chain of FMAs in k order, the
- * float32 kernel's order. */
-#define RQ 8 /* 2·RQ accumulators: AVX2's 16 registers spill a little at 7-8 rows, still ahead of the scratch */
+ * round trip through memory, each decoded weight used by every row at once. A decoding step (one row)
+ * and the trees Bastion verifies on a CPU (a few rows) take this path; more rows decode each chunk of
+ * a panel once into L1 for all their passes (DEFINE_CHUNKED). Every output's sum is one chain of FMAs
+ * in k order, the float32 kernel's order. Products of all 211 matrices of the embedded target on the
+ * Zen 3 (2 threads, noisy medians): 1 row 19, 4-6 rows 14-19 ms; chunked 7-9 rows 25-28, 16 rows 39
+ * (float32 panels: 33-52 ms at 1-9 rows). Fused 7-8 rows spilled accumulators: no faster. */
+#define RQ 6 /* 2·RQ accumulators, two weights and the input fill AVX2's 16 registers */
 #define DEFINE_FUSED(NAME, WT, BYTES, DECODE)                                                      \
 static inline __attribute__((always_inline)) void NAME(const float *x, int64_t ldx, int rr, int cnt, \
         const WT *wp, int64_t p, int64_t K, const float *b, float *y, int64_t N) {                 \
@@ -486,7 +507,7 @@ static inline __attribute__((always_inline)) void dec_q8(const int8_t *blk, int 
 DEFINE_FUSED(fused_q4, uint8_t, Q4_BYTES, dec_q4)
 DEFINE_FUSED(fused_q8, int8_t, Q8_BYTES, dec_q8)
 
-/* The gemm loop's hook for few rows: 1 when panel p is done, 0 for the scratch path (R > RQ). One or
+/* The gemm loop's hook for few rows: 1 when panel p is done, 0 for the chunked path (R > RQ). One or
  * two rows run two panels side by side (an even panel takes its odd neighbour along; the odd ones then
  * return at once): each output's FMAs form one chain whose latency bounds a k step, and 2·rr chains
  * of one panel are too few to hide it. */
@@ -506,7 +527,7 @@ static __attribute__((noinline)) int NAME(const float *x, int64_t R, const WT *w
         return 1;                                                                                  \
     }                                                                                              \
     switch (R) {                                                                                   \
-        FCASE(F, 3, 1) FCASE(F, 4, 1) FCASE(F, 5, 1) FCASE(F, 6, 1) FCASE(F, 7, 1) FCASE(F, 8, 1)  \
+        FCASE(F, 3, 1) FCASE(F, 4, 1) FCASE(F, 5, 1) FCASE(F, 6, 1)                                \
     }                                                                                              \
     return 0;                                                                                      \
 }
@@ -520,10 +541,23 @@ DEFINE_ROWS(row_q8, int8_t, fused_q8)
 #endif
 #pragma GCC pop_options
 
-#define PANEL panel
-DEFINE_GEMM(bastion_gemm_q4, uint8_t, float, decode_q4, ROW_Q4)
-DEFINE_GEMM(bastion_gemm_q8, int8_t, float, decode_q8, ROW_Q8)
-#undef PANEL
+DEFINE_CHUNKED(chunked_q4, uint8_t, Q4_BYTES, decode_q4)
+DEFINE_CHUNKED(chunked_q8, int8_t, Q8_BYTES, decode_q8)
+
+/* y [R, N] = x [R, K] times compressed panels (+ b), the panels split between threads: up to RQ rows
+ * decode in registers (ROW_Q4 / ROW_Q8 above), more through L1 chunks. Returns 0. */
+#define DEFINE_QGEMM(NAME, WT, ROWS, CHUNKED)                                                      \
+int NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K, const float *b, float *y,  \
+         int nthreads) {                                                                           \
+    int64_t np = (N + P - 1) / P;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
+    for (int64_t p = 0; p < np; p++)                                                               \
+        if (!ROWS(x, R, wp, p, K, b, y, N))                                                        \
+            CHUNKED(x, R, wp, p, K, b, y, N);                                                      \
+    return 0;                                                                                      \
+}
+DEFINE_QGEMM(bastion_gemm_q4, uint8_t, ROW_Q4, chunked_q4)
+DEFINE_QGEMM(bastion_gemm_q8, int8_t, ROW_Q8, chunked_q8)
 
 /* ---------------------------------------------------------------------------------------------
  * Low-precision products for drafters: bf16 weights and inputs, float32 sums.
