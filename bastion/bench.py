@@ -246,12 +246,12 @@ def _linear_mode(model: torch.nn.Module) -> str:
         if any(m.low_precision for m in layers):
             how = "bf16 products" if cpu_native.bf16_available() else "bf16 weights widened to float32"
             return f"native-bf16: packed few-row kernel, {how} (kernels.cpu_native)"
+        if not any(m.native and m.compress for m in layers):
+            return "native-f32: packed few-row kernel, float32 panels (kernels.cpu_native)"
         exact = sum(m.native and m.compress and m.__dict__.get("_panels", (None, None))[1] is not None
                     and m._panels[1].dtype in (torch.uint8, torch.int8) for m in layers)
-        if exact:
-            return (f"native: packed few-row kernel, {exact} of {len(layers)} matrices in exact 4/8-bit panels "
-                    "(kernels.cpu_native)")
-        return "native: packed few-row kernel (kernels.cpu_native)"
+        return (f"native: packed few-row kernel, {exact} of {len(layers)} matrices in exact 4/8-bit panels "
+                "(kernels.cpu_native)")
     why = cpu_native.unavailable_reason()
     return "fast: kernels.cpu_linear for few-row CPU fp32 products" + (f" (native unavailable: {why})" if why else "")
 

@@ -174,7 +174,8 @@ class Target:
         if rows is None:
             return head(hidden)
         # inference-mode tensors cannot be saved for backward: keep one slice per mode
-        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled(), low_precision)
+        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled(), low_precision,
+               getattr(head, "compress", True))
         if self._head_rows is None or self._head_rows[0] != key:
             with torch.no_grad():
                 w = head.weight.index_select(0, rows.to(head.weight.device))

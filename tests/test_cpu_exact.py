@@ -120,3 +120,19 @@ def test_the_embedded_target_compresses_exactly_and_keeps_its_logits():
     assert all(m.panels().dtype == torch.float32 for m in lins)
     for (tree_a, alone_a), (tree_b, alone_b) in zip(outs["native"], outs["native-f32"]):
         assert torch.equal(tree_a, tree_b) and torch.equal(alone_a, alone_b) and torch.equal(tree_a, alone_a)
+
+
+def test_the_benchmark_reports_the_panels_in_use():
+    from bastion.bench import _linear_mode
+
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
+    with torch.no_grad():
+        model[0].weight.copy_(gguf_weight(48, 64, "q8_0"))  # the second stays random: float32 panels
+    use_skinny_linear(model, "native")
+    for m in model:
+        m.panels()
+    assert _linear_mode(model).startswith("native: packed few-row kernel, 1 of 2 matrices in exact 4/8-bit")
+    use_skinny_linear(model, "native-f32")
+    assert _linear_mode(model).startswith("native-f32: packed few-row kernel, float32 panels")
+    use_skinny_linear(model, "stock")
+    assert _linear_mode(model) == "stock: F.linear"

@@ -163,6 +163,10 @@ def mode_changes() -> int:
     return _mode_changes
 
 
+def _mode_of(m: nn.Module) -> tuple:
+    return type(m), getattr(m, "native", None), getattr(m, "low_precision", None), getattr(m, "compress", None)
+
+
 def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     """Set how every linear layer inside `module` multiplies, in place; returns the number changed.
 
@@ -181,10 +185,7 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
     for m in module.modules():
         if type(m) not in (nn.Linear, SkinnyLinear):
             continue
-        def state(m):
-            return type(m), getattr(m, "native", None), getattr(m, "low_precision", None), getattr(m, "compress", None)
-
-        before = state(m)
+        before = _mode_of(m)
         if mode == "stock":
             m.__class__ = nn.Linear
             for attr in ("_panels", "native", "low_precision", "compress"):
@@ -196,7 +197,7 @@ def use_skinny_linear(module: nn.Module, on: bool | str = True) -> int:
             m.compress = mode == "native"
             if not m.native:
                 m.__dict__.pop("_panels", None)
-        n += before != state(m)
+        n += before != _mode_of(m)
     if n:
         global _mode_changes
         _mode_changes += 1
