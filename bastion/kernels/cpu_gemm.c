@@ -449,8 +449,6 @@ static inline __attribute__((always_inline)) v8 fma8(v8 w, v8 x, v8 acc) {
     return (v8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
 }
 
-
-
 /* rr rows (rr <= RQ; x rows ldx floats apart) times Q4 / Q8 panel p, decoding in registers: no
  * round trip through memory, each decoded weight used by every row at once. A decoding step (one row)
  * and the trees Bastion verifies on a CPU (a few rows) take this path; more rows decode each chunk of
@@ -545,16 +543,15 @@ DEFINE_CHUNKED(chunked_q4, uint8_t, Q4_BYTES, decode_q4)
 DEFINE_CHUNKED(chunked_q8, int8_t, Q8_BYTES, decode_q8)
 
 /* y [R, N] = x [R, K] times compressed panels (+ b), the panels split between threads: up to RQ rows
- * decode in registers (ROW_Q4 / ROW_Q8 above), more through L1 chunks. Returns 0. */
+ * decode in registers (ROW_Q4 / ROW_Q8 above), more through L1 chunks. */
 #define DEFINE_QGEMM(NAME, WT, ROWS, CHUNKED)                                                      \
-int NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K, const float *b, float *y,  \
+void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K, const float *b, float *y,  \
          int nthreads) {                                                                           \
     int64_t np = (N + P - 1) / P;                                                                  \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
     for (int64_t p = 0; p < np; p++)                                                               \
         if (!ROWS(x, R, wp, p, K, b, y, N))                                                        \
             CHUNKED(x, R, wp, p, K, b, y, N);                                                      \
-    return 0;                                                                                      \
 }
 DEFINE_QGEMM(bastion_gemm_q4, uint8_t, ROW_Q4, chunked_q4)
 DEFINE_QGEMM(bastion_gemm_q8, int8_t, ROW_Q8, chunked_q8)

@@ -133,7 +133,7 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     lib.bastion_gemm_h16.restype = None
     for name in ("bastion_gemm_q4", "bastion_gemm_q8"):
         getattr(lib, name).argtypes = [V, I64, V, I64, I64, V, V, I]
-        getattr(lib, name).restype = I
+        getattr(lib, name).restype = None
     for name in ("bastion_pack_q4", "bastion_pack_q8"):
         getattr(lib, name).argtypes = [V, I64, I64, V, I]
         getattr(lib, name).restype = I64
@@ -236,9 +236,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     if bias is not None:
         bias = bias.contiguous()
     y = torch.empty(r, n, dtype=torch.float32)
-    if fn(x.data_ptr(), r, panels.data_ptr(), n, k, None if bias is None else bias.data_ptr(), y.data_ptr(),
-          torch.get_num_threads()):
-        raise MemoryError("native CPU kernel: no memory for a decoded panel")
+    fn(x.data_ptr(), r, panels.data_ptr(), n, k, None if bias is None else bias.data_ptr(), y.data_ptr(),
+       torch.get_num_threads())
     return y
 
 
@@ -321,8 +320,7 @@ class Product:
             x = x.contiguous()
         r = x.shape[0]
         y = torch.empty(r, self.n, dtype=torch.float32)
-        if self._fn(x.data_ptr(), r, self._pp, self.n, self.k, self._bp, y.data_ptr(), threads):
-            raise MemoryError("native CPU kernel: no memory for a decoded panel")
+        self._fn(x.data_ptr(), r, self._pp, self.n, self.k, self._bp, y.data_ptr(), threads)
         return y
 
 
