@@ -282,7 +282,7 @@ def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     w = weight.detach().contiguous()
     shape = ((n + 15) // 16, k // QBLOCK)
-    for dtype, (name, nbytes) in _EXACT.items():
+    for dtype, (_, nbytes) in _EXACT.items():
         out = torch.empty(*shape, nbytes, dtype=dtype)
         fit = lib.bastion_pack_q4 if dtype == torch.uint8 else lib.bastion_pack_q8
         if fit(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == 0:
