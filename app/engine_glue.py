@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
@@ -151,6 +152,15 @@ class Runtime:
         self.lock = threading.Lock()
         self._run_id = 0
         self.drafter_error = ""
+        # Every engine call runs on this one long-lived thread, whichever of Gradio's worker threads
+        # asks: each thread that enters the native kernels gets its own OpenMP pool, and requests
+        # started from fresh threads verified ~25% slower than the probe (taken on another thread)
+        # predicted — 17–20% latency error against 3–9% from one thread (bench/NOTES.md, session 23).
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-engine")
+
+    def _on_engine_thread(self, fn: Callable, *args):
+        """fn(*args) computed on the engine's thread (its exceptions re-raised here)."""
+        return self._engine_thread.submit(fn, *args).result()
 
     @classmethod
     def load(cls, model: str = "embedded", device: str | None = None) -> "Runtime":
@@ -232,17 +242,21 @@ class Runtime:
         takes on a 2-core CPU). Holds the lock throughout, so a run that arrives meanwhile (app.py warms
         up once the page is served) waits for it instead of interleaving with it."""
         ids = self.encode("Hello")
-        with self.lock:
+
+        def run() -> None:
             for strategy in (("ar", "bastion") if self.has_drafter else ("ar",)):
                 for _ in self.engine.generate(ids, GenerationConfig(strategy=strategy, max_new_tokens=8)):
                     pass
+
+        with self.lock:
+            self._on_engine_thread(run)
 
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[dict]:
         """Step records of one generation; the engine runs only inside ``next()``, under the lock."""
         with self.lock:
             self._run_id += 1
             run_id, engine = self._run_id, self.engine
-            engine.prepare(cfg)  # here, not inside the first round: off the clock, before the snapshot
+            self._on_engine_thread(engine.prepare, cfg)  # here, not in the first round: off the clock
             padding = engine.padding if cfg.pad_rows else None
             calib = calib_snapshot(engine.latency, padding)
         steps = engine.generate(prompt_ids, cfg)
@@ -253,7 +267,7 @@ class Runtime:
                     raise RuntimeError("this run was superseded by a newer one")
                 t0 = time.perf_counter()
                 try:
-                    step = next(steps, None)
+                    step = self._on_engine_thread(next, steps, None)
                 finally:
                     clock += time.perf_counter() - t0
                 after = calib_snapshot(engine.latency, padding)
