@@ -287,3 +287,25 @@ def test_warmup_probes_and_a_run_sent_meanwhile_waits_for_it():
     runner.join(30)
     assert not warm.is_alive() and not runner.is_alive()
     assert rt.engine.padding is not None and got and got[-1]["generated"] == 4
+
+
+def test_every_engine_call_runs_on_one_thread_whoever_asks():
+    """Gradio's worker threads take turns serving a run; the engine must not follow them (each thread
+    that enters the native kernels gets its own OpenMP pool, timed apart from the probe's)."""
+    rt = tiny_runtime()
+    seen: list[str] = []
+    real = rt.engine.generate
+
+    def watched(*args, **kwargs):
+        for step in real(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            yield step
+
+    rt.engine.generate = watched
+    ids = rt.encode("hello there")
+    rt.warmup()
+    for strategy in ("ar", "bastion"):  # each run from a fresh caller thread
+        th = threading.Thread(target=lambda s=strategy: list(rt.stream(ids, GenerationConfig(strategy=s, max_new_tokens=4))))
+        th.start()
+        th.join()
+    assert len(seen) >= 4 and len(set(seen)) == 1 and seen[0].startswith("bastion-engine"), set(seen)
