@@ -101,10 +101,17 @@ DEFINE_PANEL(panel_h16, uint16_t, load_h16)
 
 #define CASE(n) case n: PANEL(xr, K, n, n, wpp, K, b, yr, N, n0); break;
 
+/* Rows in the next pass when `left` rows remain for `passes` passes: passes are equal (16 rows as
+ * 8 + 8, not 12 + 4: a short last pass reuses each W load little), at most RB. */
+static inline int pass_rows(int64_t left, int64_t passes) {
+    int64_t rr = left / passes;
+    return (int)(rr > RB ? RB : rr);
+}
+
 /* y [R, N] = x [R, K] times the panels (+ b): passes of up to RB rows over each panel, the panels
  * split between threads; one row runs as two copies of itself (two independent accumulator chains
- * per output; measured 17 vs 13.5 ms for the whole model), and passes are equal (16 rows as 8 + 8,
- * not 12 + 4: a short last pass reuses each W load little). Small products stay on one thread. */
+ * per output; measured 17 vs 13.5 ms for the whole model), and passes are equal (pass_rows). Small
+ * products stay on one thread. */
 #define DEFINE_GEMM(NAME, WT)                                                                      \
 void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,                           \
           const float *b, float *y, int nthreads) {                                                \
@@ -119,8 +126,7 @@ void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K,        
         }                                                                                          \
         int64_t npass = (R + RB - 1) / RB;                                                         \
         for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {                                     \
-            int rr = (int)((R - r0) / (npass - pass));                                             \
-            if (rr > RB) rr = RB;                                                                  \
+            int rr = pass_rows(R - r0, npass - pass);                                              \
             const float *xr = x + r0 * K;                                                          \
             float *yr = y + r0 * N;                                                                \
             switch (rr) {                                                                          \
@@ -188,8 +194,7 @@ static __attribute__((noinline)) void NAME(const float *x, int64_t R, const WT *
             DECODE(src + kb * BYTES, nblk, wc);                                                    \
             int64_t npass = (G + RB - 1) / RB;                                                     \
             for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {                                 \
-                int rr = (int)((G - r0) / (npass - pass));                                         \
-                if (rr > RB) rr = RB;                                                              \
+                int rr = pass_rows(G - r0, npass - pass);                                          \
                 const float *xr = x + (g0 + r0) * K + kb * QB;                                     \
                 switch (rr) {                                                                      \
                     CCASE(1) CCASE(2) CCASE(3) CCASE(4) CCASE(5) CCASE(6)                          \
@@ -224,8 +229,7 @@ static inline __attribute__((always_inline)) void store_row(v8 a0, v8 a1, const 
  * q in 0..15, d and m half floats, each product and the sum rounded to float32 - gguf's numpy
  * dequantisation) and its tied embedding / LM head from Q8_0 (w = d·q, q in -128..127). The pack
  * functions recover d, m and q for every block of 32 inputs and keep the matrix only when decoding
- * gives back every weight bit for bit; they return how many blocks do not (0: the packed copy is
- * exact). The product decodes the weights as it goes (in registers for up to RQ rows, through L1
+ * gives back every weight bit for bit; they return 0 when the packed copy is exact. The product decodes the weights as it goes (in registers for up to RQ rows, through L1
  * chunks for more) and multiplies them as the float32 kernel does: the same weights, the same FMAs in
  * the same order, so the same bits as the float32 panels - from 0.75 (Q4_1) or 1.125 (Q8_0) bytes a
  * weight instead of 4.
@@ -352,13 +356,16 @@ static int fit_q8(const float *w, float *d, int8_t *q) {
     return 0;
 }
 
-/* W [N, K] -> Q4 panels [ceil(N/16), K/32, 384]; returns the number of (output, block) pairs that are
- * not exactly Q4_1 (the copy is usable only when it is 0). K % 32 == 0 (the caller checks). */
+/* W [N, K] -> Q4 panels [ceil(N/16), K/32, 384]; returns 0 when every (output, block) pair is exactly
+ * Q4_1 (the copy is usable only then), else 1 - as soon as one pair is not: the threads skip their
+ * remaining panels, so a weight of any other kind (a hub model's) costs little at load. K % 32 == 0
+ * (the caller checks). */
 int64_t bastion_pack_q4(const float *w, int64_t N, int64_t K, uint8_t *out, int nthreads) {
-    int64_t np = (N + P - 1) / P, nb = K / QB, bad = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+:bad)
+    int64_t np = (N + P - 1) / P, nb = K / QB;
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < np; p++)
-        for (int64_t kb = 0; kb < nb; kb++) {
+        for (int64_t kb = 0; kb < nb && !__atomic_load_n(&bad, __ATOMIC_RELAXED); kb++) {
             uint8_t *blk = out + (p * nb + kb) * Q4_BYTES;
             float d[P], m[P];
             uint8_t *qs = blk + 2 * P * 4;
@@ -370,8 +377,8 @@ int64_t bastion_pack_q4(const float *w, int64_t N, int64_t K, uint8_t *out, int 
                 if (n >= N)
                     continue;
                 if (!fit_q4(w + n * K + kb * QB, &d[j], &m[j], q)) {
-                    bad++;
-                    continue;
+                    __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
+                    break;
                 }
                 for (int k = 0; k < QB; k++)
                     qs[k * 8 + (j & 7)] |= (uint8_t)(q[k] << (4 * (j >> 3)));
@@ -382,12 +389,14 @@ int64_t bastion_pack_q4(const float *w, int64_t N, int64_t K, uint8_t *out, int 
     return bad;
 }
 
-/* W [N, K] -> Q8 panels [ceil(N/16), K/32, 576]; returns the number of blocks that are not Q8_0. */
+/* W [N, K] -> Q8 panels [ceil(N/16), K/32, 576]; returns 0 when every block is exactly Q8_0, else 1
+ * (stopping early, as bastion_pack_q4). */
 int64_t bastion_pack_q8(const float *w, int64_t N, int64_t K, int8_t *out, int nthreads) {
-    int64_t np = (N + P - 1) / P, nb = K / QB, bad = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+:bad)
+    int64_t np = (N + P - 1) / P, nb = K / QB;
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < np; p++)
-        for (int64_t kb = 0; kb < nb; kb++) {
+        for (int64_t kb = 0; kb < nb && !__atomic_load_n(&bad, __ATOMIC_RELAXED); kb++) {
             int8_t *blk = out + (p * nb + kb) * Q8_BYTES;
             float d[P];
             int8_t *qs = blk + P * 4;
@@ -399,8 +408,8 @@ int64_t bastion_pack_q8(const float *w, int64_t N, int64_t K, int8_t *out, int n
                 if (n >= N)
                     continue;
                 if (!fit_q8(w + n * K + kb * QB, &d[j], q)) {
-                    bad++;
-                    continue;
+                    __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
+                    break;
                 }
                 for (int k = 0; k < QB; k++)
                     qs[k * P + j] = q[k];
@@ -603,8 +612,7 @@ void bastion_gemm_bf16(const uint32_t *x, int64_t R, const uint16_t *wp, int64_t
         int64_t n0 = p * P;
         int64_t npass = (R + RB - 1) / RB;
         for (int64_t pass = 0, r0 = 0; pass < npass; pass++) {
-            int rr = (int)((R - r0) / (npass - pass));
-            if (rr > RB) rr = RB;
+            int rr = pass_rows(R - r0, npass - pass);
             const uint32_t *xr = x + r0 * K2;
             float *yr = y + r0 * N;
             switch (rr) {

@@ -209,14 +209,20 @@ def unavailable_reason() -> str:
     return _why
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 → panels [ceil(N/16), K, 16] (zero padded): the layout ``linear`` reads."""
+def _library_for_weight(weight: torch.Tensor, who: str) -> ctypes.CDLL:
+    """The loaded library, after checking `weight` is what the float32 packers read (2-D, CPU, float32)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"native CPU kernel unavailable: {_why}")
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack wants a 2-D CPU float32 weight, got {tuple(weight.shape)} {weight.dtype} "
+        raise ValueError(f"{who} wants a 2-D CPU float32 weight, got {tuple(weight.shape)} {weight.dtype} "
                          f"on {weight.device}")
+    return lib
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 → panels [ceil(N/16), K, 16] (zero padded): the layout ``linear`` reads."""
+    lib = _library_for_weight(weight, "pack")
     w = weight.detach().contiguous()
     n, k = w.shape
     out = torch.empty((n + 15) // 16, k, 16, dtype=torch.float32)
@@ -271,12 +277,7 @@ def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
     tried first, then Q8_0) — uint8 panels [ceil(N/16), K/32, 384] (0.75 bytes a weight) or int8
     [ceil(N/16), K/32, 576] (1.125). :func:`linear` over them returns the bits of the float32 product,
     reading 5.3× or 3.6× fewer bytes. None for any other weight (random, trained, K % 32 ≠ 0)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack_exact wants a 2-D CPU float32 weight, got {tuple(weight.shape)} {weight.dtype} "
-                         f"on {weight.device}")
+    lib = _library_for_weight(weight, "pack_exact")
     n, k = weight.shape
     if n == 0 or k == 0 or k % QBLOCK:
         return None
@@ -285,7 +286,7 @@ def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
     for dtype, (_, nbytes) in _EXACT.items():
         out = torch.empty(*shape, nbytes, dtype=dtype)
         fit = lib.bastion_pack_q4 if dtype == torch.uint8 else lib.bastion_pack_q8
-        if fit(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == 0:
+        if fit(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == 0:  # 0: every weight exact
             return out
     return None
 
