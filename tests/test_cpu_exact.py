@@ -1,6 +1,9 @@
 """Exact compressed panels (kernels/cpu_gemm.c, cpu_native.pack_exact): weights that are losslessly
 Q4_1 / Q8_0 packed in 4 / 8 bits give the float32 product's bits."""
 
+import ctypes
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +31,9 @@ def gguf_weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,dtype", [("q4_1", torch.uint8), ("q8_0", torch.int8)])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (192, 576), (576, 1536), (1000, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 13, 64])
+# every path: 1-2 rows over two panels, up to 6 fused, 7-12 half panels (AVX2), up to 16 in 512-bit
+# registers (AVX-512), then chunked
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 12, 13, 16, 17, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_exact_panels_give_the_float32_products_bits(kind, dtype, n, k, rows, with_bias):
     w = gguf_weight(n, k, kind, seed=n + k)
@@ -136,3 +141,40 @@ def test_the_benchmark_reports_the_panels_in_use():
     assert _linear_mode(model).startswith("native-f32: packed few-row kernel, float32 panels")
     use_skinny_linear(model, "stock")
     assert _linear_mode(model) == "stock: F.linear"
+
+
+@pytest.fixture(scope="module", params=[("-mno-avx512f",), ("-mno-avx512f", "-mno-fma")], ids=["avx2", "no-fma"])
+def variant(request, tmp_path_factory):
+    """The kernel library built for a lesser instruction set than this CPU's: the code paths a
+    user's CPU without AVX-512 (or without FMA) takes, checked here too."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction-set variants")
+    path = cpu_native._build(tmp_path_factory.mktemp("variant"), extra_flags=request.param)
+    return cpu_native.declare(ctypes.CDLL(str(path)))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_every_instruction_set_path_gives_the_float32_products_bits(variant, kind):
+    """Compressed products equal the same build's float32 panel products bit for bit, at every row
+    count whose path differs (the float32 kernel sums each output in the same order everywhere; FMA
+    or not is the build's choice, the same for both)."""
+    pack_q, gemm_q, nbytes, dtype = ((variant.bastion_pack_q4, variant.bastion_gemm_q4, 384, torch.uint8)
+                                     if kind == "q4_1" else
+                                     (variant.bastion_pack_q8, variant.bastion_gemm_q8, 576, torch.int8))
+    for n, k in [(37, 64), (1000, 96), (192, 576)]:
+        w = gguf_weight(n, k, kind, seed=n * k)
+        panels = torch.empty((n + 15) // 16, k, 16)
+        variant.bastion_pack_f32(w.data_ptr(), n, k, panels.data_ptr(), 1)
+        packed = torch.empty((n + 15) // 16, k // 32, nbytes, dtype=dtype)
+        assert pack_q(w.data_ptr(), n, k, packed.data_ptr(), 1) == 0
+        b = torch.randn(n)
+        for rows in [1, 2, 3, 4, 6, 7, 8, 11, 12, 13, 16, 17, 40]:
+            x = torch.randn(rows, k)
+            want, got = torch.empty(rows, n), torch.empty(rows, n)
+            for threads in (1, 2):
+                variant.bastion_gemm_f32(x.data_ptr(), rows, panels.data_ptr(), n, k, b.data_ptr(), want.data_ptr(),
+                                         threads)
+                gemm_q(x.data_ptr(), rows, packed.data_ptr(), n, k, b.data_ptr(), got.data_ptr(), threads)
+                assert torch.equal(got, want), (n, k, rows, threads)
+            # and the float32 product is the float32 product (FMA or not: within rounding)
+            torch.testing.assert_close(want, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4)

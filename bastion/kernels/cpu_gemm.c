@@ -22,6 +22,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 #if defined(__AVX512BF16__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -229,7 +235,9 @@ static inline __attribute__((always_inline)) void store_row(v8 a0, v8 a1, const 
  * q in 0..15, d and m half floats, each product and the sum rounded to float32 - gguf's numpy
  * dequantisation) and its tied embedding / LM head from Q8_0 (w = d·q, q in -128..127). The pack
  * functions recover d, m and q for every block of 32 inputs and keep the matrix only when decoding
- * gives back every weight bit for bit; they return 0 when the packed copy is exact. The product decodes the weights as it goes (in registers for up to RQ rows, through L1
+ * gives back every weight bit for bit; they return 0 when the packed copy is exact. The product
+ * decodes the weights as it goes (in registers for up to 16 rows with AVX-512, 12 with AVX2 + FMA,
+ * through L1
  * chunks for more) and multiplies them as the float32 kernel does: the same weights, the same FMAs in
  * the same order, so the same bits as the float32 panels - from 0.75 (Q4_1) or 1.125 (Q8_0) bytes a
  * weight instead of 4.
@@ -464,7 +472,9 @@ static inline __attribute__((always_inline)) v8 fma8(v8 w, v8 x, v8 acc) {
  * a panel once into L1 for all their passes (DEFINE_CHUNKED). Every output's sum is one chain of FMAs
  * in k order, the float32 kernel's order. Products of all 211 matrices of the embedded target on the
  * Zen 3 (2 threads, noisy medians): 1 row 19, 4-6 rows 14-19 ms; chunked 7-9 rows 25-28, 16 rows 39
- * (float32 panels: 33-52 ms at 1-9 rows). Fused 7-8 rows spilled accumulators: no faster. */
+ * (float32 panels: 33-52 ms at 1-9 rows). Fused 7-8 rows spilled accumulators: no faster; 7-12 rows
+ * take half panels instead (DEFINE_HALF), and with AVX-512 up to 16 rows take 512-bit registers
+ * (DEFINE_ZFUSED). */
 #define RQ 6 /* 2·RQ accumulators, two weights and the input fill AVX2's 16 registers */
 #define DEFINE_FUSED(NAME, WT, BYTES, DECODE)                                                      \
 static inline __attribute__((always_inline)) void NAME(const float *x, int64_t ldx, int rr, int cnt, \
@@ -514,12 +524,62 @@ static inline __attribute__((always_inline)) void dec_q8(const int8_t *blk, int 
 DEFINE_FUSED(fused_q4, uint8_t, Q4_BYTES, dec_q4)
 DEFINE_FUSED(fused_q8, int8_t, Q8_BYTES, dec_q8)
 
+/* RQ < rr <= RH rows times Q4 / Q8 panel p, one half of the panel (8 outputs) at a time, decoding
+ * in registers: rr accumulators, one decoded weight vector and the input - so each decoded weight
+ * serves rr rows where the whole-panel kernel (two weight vectors, 2·rr accumulators) stops at RQ.
+ * The second half re-reads the panel's codes from L1/L2. Each output's sum is still one chain of
+ * FMAs in k order. The embedded target's 211 products, AVX2 build on a Xeon (session 24, medians):
+ * 7 rows 17.8 -> 16.9 ms, 9 rows 20.9 -> 20.2 against the chunks (12 rows: a tie). */
+#define RH 12
+#define DEFINE_HALF(NAME, WT, BYTES, DECODE1)                                                      \
+static inline __attribute__((always_inline)) void NAME(const float *x, int64_t ldx, int rr, int h,  \
+        const WT *wp, int64_t p, int64_t K, const float *b, float *y, int64_t N) {                 \
+    QNO_CONTRACT                                                                                   \
+    int64_t nb = K / QB;                                                                           \
+    const WT *src = wp + p * nb * BYTES;                                                           \
+    v8 acc[RH];                                                                                    \
+    for (int i = 0; i < rr; i++) acc[i] = (v8){0};                                                 \
+    for (int64_t kb = 0; kb < nb; kb++, src += BYTES) {                                            \
+        if (!h)                                                                                    \
+            for (int l = 0; l < BYTES; l += 64)                                                    \
+                __builtin_prefetch(src + AHEAD * BYTES + l);                                       \
+        const float *xk = x + kb * QB;                                                             \
+        for (int k = 0; k < QB; k++) {                                                             \
+            v8 w = DECODE1(src, k, h);                                                             \
+            for (int i = 0; i < rr; i++) {                                                         \
+                float xv = xk[i * ldx + k];                                                        \
+                v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};                                          \
+                acc[i] = fma8(w, xb, acc[i]);                                                      \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    int64_t n0 = p * P + h * 8, m = N - n0 < 8 ? N - n0 : 8;                                       \
+    for (int i = 0; i < rr; i++) {                                                                 \
+        float out[8];                                                                              \
+        memcpy(out, &acc[i], sizeof(v8));                                                          \
+        for (int j = 0; j < m; j++) y[i * N + n0 + j] = b ? out[j] + b[n0 + j] : out[j];          \
+    }                                                                                              \
+}
+static inline __attribute__((always_inline)) v8 dec1_q4(const uint8_t *blk, int k, int h) {
+    QNO_CONTRACT
+    vw8 q = widen_u8(blk + 2 * P * 4 + k * 8);
+    v8 t = *(const v8a *)(blk + 32 * h) * __builtin_convertvector(h ? q >> 4 : q & 15, v8);
+    return t + *(const v8a *)(blk + 64 + 32 * h);
+}
+static inline __attribute__((always_inline)) v8 dec1_q8(const int8_t *blk, int k, int h) {
+    QNO_CONTRACT
+    return *(const v8a *)(blk + 32 * h) * widen_s8(blk + P * 4 + k * P + 8 * h);
+}
+DEFINE_HALF(half_q4, uint8_t, Q4_BYTES, dec1_q4)
+DEFINE_HALF(half_q8, int8_t, Q8_BYTES, dec1_q8)
+#define HCASE(F, n) case n: F(x, K, n, 0, wp, p, K, b, y, N); F(x, K, n, 1, wp, p, K, b, y, N); return 1;
+
 /* The gemm loop's hook for few rows: 1 when panel p is done, 0 for the chunked path (R > RQ). One or
  * two rows run two panels side by side (an even panel takes its odd neighbour along; the odd ones then
  * return at once): each output's FMAs form one chain whose latency bounds a k step, and 2·rr chains
  * of one panel are too few to hide it. */
 #define FCASE(F, n, c) case n: F(x, K, n, c, wp, p, K, b, y, N); return 1;
-#define DEFINE_ROWS(NAME, WT, F)                                                                   \
+#define DEFINE_ROWS(NAME, WT, F, H)                                                                \
 static __attribute__((noinline)) int NAME(const float *x, int64_t R, const WT *wp, int64_t p, int64_t K, \
                                           const float *b, float *y, int64_t N) {                  \
     if (R <= 2) {                                                                                  \
@@ -535,15 +595,120 @@ static __attribute__((noinline)) int NAME(const float *x, int64_t R, const WT *w
     }                                                                                              \
     switch (R) {                                                                                   \
         FCASE(F, 3, 1) FCASE(F, 4, 1) FCASE(F, 5, 1) FCASE(F, 6, 1)                                \
+        HCASES(H)                                                                                  \
     }                                                                                              \
     return 0;                                                                                      \
 }
-DEFINE_ROWS(row_q4, uint8_t, fused_q4)
-DEFINE_ROWS(row_q8, int8_t, fused_q8)
+#define HCASES(H) HCASE(H, 7) HCASE(H, 8) HCASE(H, 9) HCASE(H, 10) HCASE(H, 11) HCASE(H, 12)
+DEFINE_ROWS(row_q4, uint8_t, fused_q4, half_q4)
+DEFINE_ROWS(row_q8, int8_t, fused_q8, half_q8)
 #define ROW_Q4(x, R, wp, p, K, b, y, N) row_q4(x, R, wp, p, K, b, y, N)
 #define ROW_Q8(x, R, wp, p, K, b, y, N) row_q8(x, R, wp, p, K, b, y, N)
+
+#if defined(__AVX512F__)
+/* With AVX-512 a panel's 16 outputs are one 512-bit vector: a k step decodes 16 weights in one
+ * pass (the 8 code bytes broadcast, widened to 16 lanes, shifted by 0 or 4 and masked) and each row
+ * takes one FMA - half the instructions of two 256-bit halves, and 32 registers hold the
+ * accumulators of up to ZR rows, so one decoding serves every row of a verification tree. Few rows
+ * run ZG(rr) panels side by side so that 8 or more FMA chains hide the FMA latency. Each lane is the
+ * float32 kernel's output lane: the same decoded weights, the same FMAs in k order, the same bits.
+ * The embedded target's 211 products on a 2-core Xeon with AVX-512 (session 24, medians, against
+ * the 256-bit paths): 7 rows 17.8 -> 12.2 ms, 9 rows 20.9 -> 14.2, 12 rows 24.0 -> 17.4, 16 rows
+ * 31.0 -> 23.2; 1-6 rows a tie (decoding, not the FMAs, bounds them). Past 16 rows the
+ * accumulators spill (18 rows 39 ms): the chunks take over. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v16a __attribute__((vector_size(64), aligned(4), may_alias));
+#define ZR 16
+#define ZGMAX 8
+static inline __attribute__((always_inline)) v16 zdec_q4(const uint8_t *blk, int k) {
+    QNO_CONTRACT
+    long long codes;
+    memcpy(&codes, blk + 2 * P * 4 + k * 8, 8);
+    __m512i c = _mm512_cvtepu8_epi32(_mm_set1_epi64x(codes));
+    c = _mm512_srlv_epi32(c, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+    c = _mm512_and_si512(c, _mm512_set1_epi32(15));
+    v16 t = *(const v16a *)blk * (v16)_mm512_cvtepi32_ps(c);
+    return t + *(const v16a *)(blk + 64);
+}
+static inline __attribute__((always_inline)) v16 zdec_q8(const int8_t *blk, int k) {
+    QNO_CONTRACT
+    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + P * 4 + k * P)));
+    return *(const v16a *)blk * (v16)_mm512_cvtepi32_ps(c);
+}
+static inline __attribute__((always_inline)) void zstore(v16 a, const float *b, float *y, int64_t N, int64_t n0) {
+    float out[P];
+    memcpy(out, &a, sizeof(v16));
+    int64_t m = N - n0 < P ? N - n0 : P;
+    for (int j = 0; j < m; j++) y[n0 + j] = b ? out[j] + b[n0 + j] : out[j];
+}
+/* rr rows times cnt consecutive panels from p */
+#define DEFINE_ZFUSED(NAME, WT, BYTES, DECODE)                                                     \
+static inline __attribute__((always_inline)) void NAME(const float *x, int64_t ldx, int rr, int cnt, \
+        const WT *wp, int64_t p, int64_t K, const float *b, float *y, int64_t N) {                 \
+    QNO_CONTRACT                                                                                   \
+    int64_t nb = K / QB, stride = nb * BYTES;                                                      \
+    const WT *src = wp + p * stride;                                                               \
+    v16 acc[ZGMAX][ZR];                                                                            \
+    for (int c = 0; c < cnt; c++)                                                                  \
+        for (int i = 0; i < rr; i++) acc[c][i] = (v16){0};                                         \
+    for (int64_t kb = 0; kb < nb; kb++, src += BYTES) {                                            \
+        for (int c = 0; c < cnt; c++)                                                              \
+            for (int l = 0; l < BYTES; l += 64)                                                    \
+                __builtin_prefetch(src + c * stride + AHEAD * BYTES + l);                          \
+        const float *xk = x + kb * QB;                                                             \
+        for (int k = 0; k < QB; k++) {                                                             \
+            v16 w[ZGMAX];                                                                          \
+            for (int c = 0; c < cnt; c++) w[c] = DECODE(src + c * stride, k);                      \
+            for (int i = 0; i < rr; i++) {                                                         \
+                __m512 xb = _mm512_set1_ps(xk[i * ldx + k]);                                       \
+                for (int c = 0; c < cnt; c++)                                                      \
+                    acc[c][i] = (v16)_mm512_fmadd_ps((__m512)w[c], xb, (__m512)acc[c][i]);        \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int c = 0; c < cnt; c++)                                                                  \
+        for (int i = 0; i < rr; i++) zstore(acc[c][i], b, y + i * N, N, (p + c) * P);              \
+}
+DEFINE_ZFUSED(zfused_q4, uint8_t, Q4_BYTES, zdec_q4)
+DEFINE_ZFUSED(zfused_q8, int8_t, Q8_BYTES, zdec_q8)
+/* panels side by side for rr rows: at least 8 accumulator chains */
+static inline int zgroup(int rr) { return rr == 1 ? 8 : rr == 2 ? 4 : rr == 3 ? 3 : rr < 8 ? 2 : 1; }
+#define ZC(F, n, c) case (n) * 16 + (c): F(x, K, n, c, wp, p, K, b, y, N); break;
+#define ZCASES(F)                                                                                  \
+    ZC(F, 1, 1) ZC(F, 1, 2) ZC(F, 1, 3) ZC(F, 1, 4) ZC(F, 1, 5) ZC(F, 1, 6) ZC(F, 1, 7)            \
+    ZC(F, 1, 8) ZC(F, 2, 1) ZC(F, 2, 2) ZC(F, 2, 3) ZC(F, 2, 4) ZC(F, 3, 1) ZC(F, 3, 2)            \
+    ZC(F, 3, 3) ZC(F, 4, 1) ZC(F, 4, 2) ZC(F, 5, 1) ZC(F, 5, 2) ZC(F, 6, 1) ZC(F, 6, 2)            \
+    ZC(F, 7, 1) ZC(F, 7, 2) ZC(F, 8, 1) ZC(F, 9, 1) ZC(F, 10, 1) ZC(F, 11, 1) ZC(F, 12, 1)         \
+    ZC(F, 13, 1) ZC(F, 14, 1) ZC(F, 15, 1) ZC(F, 16, 1)
+/* y = x W^T (+ b) for R <= ZR rows: each thread takes a contiguous range of panels (groups of
+ * panels would split unevenly otherwise) and walks it zgroup(R) panels at a time. */
+#define DEFINE_ZGEMM(NAME, WT, F)                                                                  \
+static __attribute__((noinline)) void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K, \
+                                           const float *b, float *y, int nthreads) {              \
+    int64_t np = (N + P - 1) / P;                                                                  \
+    int G = zgroup((int)R);                                                                        \
+    _Pragma("omp parallel num_threads(nthreads) if (np * K * R > 32768)")                          \
+    {                                                                                              \
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();                               \
+        int64_t pe = np * (t + 1) / T;                                                             \
+        for (int64_t p = np * t / T; p < pe; p += G) {                                             \
+            int cnt = pe - p < G ? (int)(pe - p) : G;                                              \
+            switch ((int)R * 16 + cnt) { ZCASES(F) }                                       \
+        }                                                                                          \
+    }                                                                                              \
+}
+DEFINE_ZGEMM(zgemm_q4, uint8_t, zfused_q4)
+DEFINE_ZGEMM(zgemm_q8, int8_t, zfused_q8)
+#define ZGEMM_Q4(x, R, wp, N, K, b, y, t) ((R) <= ZR ? (zgemm_q4(x, R, wp, N, K, b, y, t), 1) : 0)
+#define ZGEMM_Q8(x, R, wp, N, K, b, y, t) ((R) <= ZR ? (zgemm_q8(x, R, wp, N, K, b, y, t), 1) : 0)
+#else
+#define ZGEMM_Q4(x, R, wp, N, K, b, y, t) 0
+#define ZGEMM_Q8(x, R, wp, N, K, b, y, t) 0
+#endif
 #else
 #define ROW_Q4(x, R, wp, p, K, b, y, N) 0
+#define ZGEMM_Q4(x, R, wp, N, K, b, y, t) 0
+#define ZGEMM_Q8(x, R, wp, N, K, b, y, t) 0
 #define ROW_Q8(x, R, wp, p, K, b, y, N) 0
 #endif
 #pragma GCC pop_options
@@ -551,19 +716,22 @@ DEFINE_ROWS(row_q8, int8_t, fused_q8)
 DEFINE_CHUNKED(chunked_q4, uint8_t, Q4_BYTES, decode_q4)
 DEFINE_CHUNKED(chunked_q8, int8_t, Q8_BYTES, decode_q8)
 
-/* y [R, N] = x [R, K] times compressed panels (+ b), the panels split between threads: up to RQ rows
- * decode in registers (ROW_Q4 / ROW_Q8 above), more through L1 chunks. */
-#define DEFINE_QGEMM(NAME, WT, ROWS, CHUNKED)                                                      \
+/* y [R, N] = x [R, K] times compressed panels (+ b), the panels split between threads: up to ZR rows
+ * in 512-bit registers where the CPU has AVX-512 (ZGEMM_*), else up to RH rows in 256-bit ones
+ * (ROW_Q4 / ROW_Q8), more through L1 chunks. */
+#define DEFINE_QGEMM(NAME, WT, ROWS, CHUNKED, Z)                                                   \
 void NAME(const float *x, int64_t R, const WT *wp, int64_t N, int64_t K, const float *b, float *y,  \
          int nthreads) {                                                                           \
+    if (Z(x, R, wp, N, K, b, y, nthreads))                                                         \
+        return;                                                                                    \
     int64_t np = (N + P - 1) / P;                                                                  \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (np * K * R > 32768)")     \
     for (int64_t p = 0; p < np; p++)                                                               \
         if (!ROWS(x, R, wp, p, K, b, y, N))                                                        \
             CHUNKED(x, R, wp, p, K, b, y, N);                                                      \
 }
-DEFINE_QGEMM(bastion_gemm_q4, uint8_t, ROW_Q4, chunked_q4)
-DEFINE_QGEMM(bastion_gemm_q8, int8_t, ROW_Q8, chunked_q8)
+DEFINE_QGEMM(bastion_gemm_q4, uint8_t, ROW_Q4, chunked_q4, ZGEMM_Q4)
+DEFINE_QGEMM(bastion_gemm_q8, int8_t, ROW_Q8, chunked_q8, ZGEMM_Q8)
 
 /* ---------------------------------------------------------------------------------------------
  * Low-precision products for drafters: bf16 weights and inputs, float32 sums.
