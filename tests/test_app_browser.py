@@ -186,7 +186,7 @@ def screenshots(folder: Path, prompt: str) -> None:
         run_prompt(page, prompt, 600000)
         per_round = page.evaluate("Array.from(document.querySelectorAll('#output-text span.round'))"
                                   ".map(r => [r.querySelectorAll('span.tok.acc').length, -Number(r.dataset.round)])")
-        scrub_to(page, -max(per_round)[1])  # the (first) round that accepted the most draft tokens
+        scrub_to(page, int(-max(per_round)[1]))  # the (first) round that accepted the most draft tokens (-0.0 → 0)
         page.screenshot(path=str(folder / "screenshot_app.png"), full_page=True)
         names = ["screenshot_app.png"]
         if runtime.has_drafter:  # an AR round's "tree" is one root and its bonus: not worth a picture
