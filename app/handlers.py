@@ -167,9 +167,24 @@ def stats_markdown(run: dict | None) -> str:
     if summary["identical_to_ar"] is not None:
         notes.append("✅ output identical to AR token for token (T = 0: lossless)" if summary["identical_to_ar"]
                      else "❌ output differs from AR at T = 0")
+    shed = threads_note(run)
+    if shed:
+        notes.append(shed)
     if run.get("message"):
         notes.append(run["message"])
     return "\n".join(lines) + "\n\n" + " · ".join(notes)
+
+
+def threads_note(run: dict) -> str:
+    """'' unless some rounds ran on fewer CPU threads than others: the engine sheds threads while
+    another process holds a core (bastion/threads.py), which changes what both runs measured."""
+    counts = [r.get("threads", 0) for phase in ("baseline", "steps") for r in run[phase]]
+    counts = [c for c in counts if c > 0]
+    if not counts or min(counts) == max(counts):
+        return ""
+    fewer = sum(c < max(counts) for c in counts)
+    return (f"⚠ {fewer} of {len(counts)} rounds ran on {min(counts)} instead of {max(counts)} CPU threads: another "
+            "process held a core, and the engine sheds threads while verifications stall")
 
 
 _TOPK_CAVEAT = (f" _(Runs record the drafter's top {TOPK_RECORDED} per depth and this round's tree used a lower "

@@ -158,7 +158,8 @@ def _run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: lis
     steps = list(engine.generate(ids, cfg))
     res = engine.summarize(steps, len(ids))
     rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), rows=s.rows, context=s.context_len, tokens=len(s.tokens),
-                     predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s) for s in steps)
+                     predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s, threads=s.threads)
+                for s in steps)
     errors = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
               for s in steps[10:] if s.measured_verify_s > 0]
     return Run(res.token_ids, res.steps, len(res.token_ids), res.decode_s, sum(len(s.tree) for s in steps),

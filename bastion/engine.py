@@ -29,6 +29,7 @@ from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
 from .lookup import CopySources, LookupStats
 from .records import GenerationResult, StageTimes, Step
 from .target import Target
+from .threads import ThreadGovernor
 from .tree import DraftTree
 from .verify import SamplingParams, accept
 
@@ -229,7 +230,7 @@ class Engine:
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, kernels: str = "auto",
                  latency: LatencyModel | None = None, stop_ids: set[int] | None = None, datastore=None,
-                 freeze: bool = True):
+                 freeze: bool = True, adapt_threads: bool = True):
         self.target = target
         self.drafter = drafter
         self.datastore = datastore  # bastion.datastore.Datastore or None
@@ -248,6 +249,10 @@ class Engine:
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
         self.lookup_stats: dict[tuple, LookupStats] = {}
         self.padding: RowPadding | None = None  # measured by probe_latency
+        # on a CPU, fewer threads while another process holds a core (bastion.threads); kept across
+        # requests — contention outlives them — and made at the first request, from torch's count then
+        self.adapt_threads = adapt_threads and target.device.type == "cpu"
+        self.threads: ThreadGovernor | None = None
         if freeze:
             freeze_heap()
 
@@ -420,6 +425,22 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
         self.prepare(cfg)  # before the clock starts: one-time calibration, not decode time
+        caller_threads = torch.get_num_threads()
+        if self.adapt_threads and self.threads is None and caller_threads > 1:
+            self.threads = ThreadGovernor(caller_threads)
+        governor = self.threads if self.adapt_threads else None
+        try:
+            if governor is not None:
+                torch.set_num_threads(governor.current)
+            yield from self._rounds(prompt_ids, cfg, governor)
+        finally:  # the caller's thread count back, however the run ends (a closed generator too)
+            if governor is not None:
+                torch.set_num_threads(caller_threads)
+
+    def _rounds(self, prompt_ids: list[int], cfg: GenerationConfig,
+                governor: ThreadGovernor | None) -> Iterator[Step]:
+        """The round loop of :meth:`generate` (inputs checked, engine prepared)."""
+        limit = self.target.max_positions
         target, drafter, params = self.target, self.drafter, cfg.sampling
         device = target.device
         t_prefill = time.perf_counter()
@@ -510,6 +531,11 @@ class Engine:
                 finish = "context limit"
             predicted = self.latency.predict(rows, prefix)  # before this round's measurement
             self.latency.observe(rows, prefix, times.verify)
+            threads = torch.get_num_threads()  # this round's
+            # the probe's time for this tree on the idle host, not the prediction (which follows a stall)
+            reference = self.latency.anchored(rows, prefix)
+            if governor is not None and governor.observe(times.verify, reference) != threads:
+                torch.set_num_threads(governor.current)
             self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
             lookup_tokens, lookup_rates = self._proposed(proposals, "lookup")
             datastore_tokens, datastore_rates = self._proposed(proposals, "datastore")
@@ -521,7 +547,7 @@ class Engine:
                         draft_ids=[row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
                         lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=rows,
                         datastore_tokens=datastore_tokens, datastore_rates=datastore_rates,
-                        conditioned=exp.conditioned)
+                        conditioned=exp.conditioned, threads=threads)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time

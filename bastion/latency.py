@@ -302,15 +302,24 @@ class LatencyModel:
         timings) to the sample's by the roofline's own ratio C(s, c) / C(s, c_probe). 1 with no window."""
         if not self.anchors or not self.samples:
             return 1.0
-        times = {s: t for s, _, t in self.anchors}
-        c_probe = self.anchors[0][1]
         ratios = []
         for s, c, t in self.samples:
-            anchored = _interpolate(times, s) * self.roofline(s, c) / max(self.roofline(s, c_probe), 1e-12)
-            if anchored > 0:
+            anchored = self.anchored(s, c)
+            if anchored:
                 ratios.append(t / anchored)
         ratios.sort()
         return ratios[len(ratios) // 2] if ratios else 1.0
+
+    def anchored(self, s: int, c: int) -> float | None:
+        """The probe's time for s rows (interpolated between its sizes) carried from the probe's context
+        to c by the roofline's ratio C(s, c) / C(s, c_probe): what a verification cost on the host as
+        the probe found it — a reference that, unlike :meth:`predict`, does not follow the recent
+        rounds (the engine's thread governor compares against it). None before a probe."""
+        if not self.anchors:
+            return None
+        times = {n: t for n, _, t in self.anchors}
+        c_probe = self.anchors[0][1]
+        return _interpolate(times, s) * self.roofline(s, c) / max(self.roofline(s, c_probe), 1e-12)
 
     def relative_error(self) -> float | None:
         """Median |predicted − measured| / measured over the current window (None if empty)."""

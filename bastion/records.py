@@ -60,11 +60,12 @@ class Step:
     datastore_tokens: list[int] = field(default_factory=list)  # this round's datastore proposal (may be unused)
     datastore_rates: list[float] = field(default_factory=list)
     conditioned: bool = False    # the drafter nodes' children were re-weighted per parent (datastore.NgramPrior)
+    threads: int = 0             # CPU threads of the round's forwards (0: a record made before it was kept)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("index", "strategy", "stop_reason", "accepted", "choices", "tokens",
                                             "token_texts", "bonus", "context_len", "generated", "finished",
-                                            "finish_reason", "rows", "conditioned")}
+                                            "finish_reason", "rows", "conditioned", "threads")}
         d.update(tree=self.tree.to_dict(), trace=[x.to_dict() for x in self.trace],
                  expected_tokens=round(self.expected_tokens, 6),
                  predicted_verify_s=round(self.predicted_verify_s, 6),
@@ -98,7 +99,7 @@ class Step:
             datastore_tokens=[int(v) for v in d.get("datastore_tokens", [])],
             datastore_rates=[float(v) for v in d.get("datastore_rates", [])],
             finished=bool(d.get("finished", False)), finish_reason=str(d.get("finish_reason", "")),
-            conditioned=bool(d.get("conditioned", False)))
+            conditioned=bool(d.get("conditioned", False)), threads=int(d.get("threads", 0)))
 
 
 @dataclass

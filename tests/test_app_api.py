@@ -12,7 +12,7 @@ from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from app.engine_glue import THIS_MACHINE, Runtime, replan  # noqa: E402
-from app.handlers import VIEW_FIELDS, Handlers, execute, parse_settings, start_run  # noqa: E402
+from app.handlers import VIEW_FIELDS, Handlers, execute, parse_settings, start_run, threads_note  # noqa: E402
 from app.state import export_run, load_run, run_summary  # noqa: E402
 from app.ui import create_app, launch  # noqa: E402
 from bastion.engine import Engine, GenerationConfig  # noqa: E402
@@ -309,3 +309,14 @@ def test_every_engine_call_runs_on_one_thread_whoever_asks():
         th.start()
         th.join()
     assert len(seen) >= 4 and len(set(seen)) == 1 and seen[0].startswith("bastion-engine"), set(seen)
+
+
+def test_the_page_says_when_rounds_ran_on_fewer_threads():
+    """A run whose rounds were on different thread counts (the engine shed threads under contention)
+    says so beside the speedup; one thread count throughout (or records without it) says nothing."""
+    def rec(threads):
+        return {"threads": threads, "tokens": [1], "finished": True}
+    run = {"baseline": [rec(2)] * 5, "steps": [rec(2), rec(1), rec(1)]}
+    assert threads_note(run).startswith("⚠ 2 of 8 rounds ran on 1 instead of 2 CPU threads")
+    assert threads_note({"baseline": [rec(2)] * 3, "steps": [rec(2)] * 4}) == ""
+    assert threads_note({"baseline": [rec(0)] * 3, "steps": []}) == ""

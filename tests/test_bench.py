@@ -79,7 +79,7 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     with gzip.open(out / "rounds.csv.gz", "rt") as fh:
         rounds = list(csv.DictReader(fh))
     assert len(rounds) > 5 * 2 * 5 and {r["strategy"] for r in rounds} >= {"ar", "chain", "bastion"}
-    assert all(float(r["measured_s"]) > 0 and int(r["tree_size"]) >= 1 for r in rounds)
+    assert all(float(r["measured_s"]) > 0 and int(r["tree_size"]) >= 1 and int(r["threads"]) >= 1 for r in rounds)
     for png in ("speedup_by_category.png", "tau_vs_tree_size.png", "verify_latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| bastion |" in capsys.readouterr().out
