@@ -145,7 +145,8 @@ class Runtime:
 
     def __init__(self, engine: Engine, name: str = "model",
                  drafter_loader: Callable[[], object | None] | None = None, limits: Limits | None = None,
-                 datastore_loader: Callable[[], object | None] | None = None):
+                 datastore_loader: Callable[[], object | None] | None = None,
+                 engine_thread: ThreadPoolExecutor | None = None):
         self.engine, self.name, self.drafter_loader = engine, name, drafter_loader
         self.datastore_loader = datastore_loader  # the datastore that goes with a drafter loaded later
         self.limits = limits or Limits()
@@ -153,10 +154,12 @@ class Runtime:
         self._run_id = 0
         self.drafter_error = ""
         # Every engine call runs on this one long-lived thread, whichever of Gradio's worker threads
-        # asks: each thread that enters the native kernels gets its own OpenMP pool, and requests
-        # started from fresh threads verified ~25% slower than the probe (taken on another thread)
-        # predicted — 17–20% latency error against 3–9% from one thread (bench/NOTES.md, session 23).
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-engine")
+        # asks: each thread that enters OpenMP code gets its own pool, and once two pools exist every
+        # forward slows — requests from fresh threads verified ~25% slower than the probe predicted
+        # on the Zen 3 (session 23), and on a 2-core Xeon one torch product on a second thread made
+        # the engine's steps 2× slower for good (11 → 24 ms, session 24). So the loading runs there
+        # too (``load``): no OpenMP work on any other thread.
+        self._engine_thread = engine_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-engine")
 
     def _on_engine_thread(self, fn: Callable, *args):
         """fn(*args) computed on the engine's thread (its exceptions re-raised here)."""
@@ -170,6 +173,13 @@ class Runtime:
         dependencies, and this wheel's are not wanted), the same model comes from the hub instead; the
         shipped drafter is used with it as with the embedded copy.
         """
+        engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-engine")
+        engine, name, loader, ds_loader = engine_thread.submit(cls._load, model, device).result()
+        return cls(engine, name, loader, datastore_loader=ds_loader, engine_thread=engine_thread)
+
+    @staticmethod
+    def _load(model: str, device: str | None):
+        """What :meth:`load` builds, built on the engine's thread: (engine, name, drafter and datastore loaders)."""
         from bastion.loading import EMBEDDED, load_default_datastore, load_default_drafter, load_target
 
         name = "SmolLM2-135M-Instruct (embedded)" if model == EMBEDDED else model
@@ -184,7 +194,7 @@ class Runtime:
         ds_loader = (lambda: load_default_datastore(target, None, model))  # and the datastore beside it
         drafter = loader()
         engine = Engine(target, drafter, datastore=ds_loader() if drafter is not None else None)
-        return cls(engine, name, loader, datastore_loader=ds_loader)
+        return engine, name, loader, ds_loader
 
     @property
     def has_drafter(self) -> bool:
@@ -196,8 +206,9 @@ class Runtime:
             return self.has_drafter
         with self.lock:
             try:
-                drafter = self.drafter_loader()
-                datastore = self.datastore_loader() if drafter is not None and self.datastore_loader else None
+                drafter = self._on_engine_thread(self.drafter_loader)  # loading does OpenMP work too
+                datastore = (self._on_engine_thread(self.datastore_loader)
+                             if drafter is not None and self.datastore_loader else None)
             except (OSError, ValueError, RuntimeError, KeyError) as exc:
                 self.drafter_error = f"drafter failed to load: {exc}"
                 return False

@@ -320,3 +320,25 @@ def test_the_page_says_when_rounds_ran_on_fewer_threads():
     assert threads_note(run).startswith("⚠ 2 of 8 rounds ran on 1 instead of 2 CPU threads")
     assert threads_note({"baseline": [rec(2)] * 3, "steps": [rec(2)] * 4}) == ""
     assert threads_note({"baseline": [rec(0)] * 3, "steps": []}) == ""
+
+
+def test_loading_runs_on_the_engine_thread(monkeypatch):
+    """Runtime.load builds the target, drafter and engine on the engine's thread (as a drafter loaded
+    later is): OpenMP work on a second thread made every later forward 2× slower (session 24)."""
+    import bastion.loading as loading
+
+    target = tiny_target("llama", dtype=torch.float32)
+    seen = []
+
+    def where(result):
+        seen.append(threading.current_thread().name)
+        return result
+
+    monkeypatch.setattr(loading, "load_target", lambda model, dtype, device: where(target))
+    monkeypatch.setattr(loading, "load_default_drafter", lambda t, d, m: where(None))
+    monkeypatch.setattr(loading, "load_default_datastore", lambda t, d, m: where(None))
+    rt = Runtime.load("embedded")
+    assert rt.engine.target is target and not rt.has_drafter
+    assert not rt.refresh_drafter()  # the loader again, still no drafter
+    assert len(seen) == 3 and all(name.startswith("bastion-engine") for name in seen), seen
+    assert threading.current_thread().name not in seen
