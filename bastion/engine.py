@@ -532,9 +532,8 @@ class Engine:
             predicted = self.latency.predict(rows, prefix)  # before this round's measurement
             self.latency.observe(rows, prefix, times.verify)
             threads = torch.get_num_threads()  # this round's
-            # the probe's time for this tree on the idle host, not the prediction (which follows a stall)
-            reference = self.latency.anchored(rows, prefix)
-            if governor is not None and governor.observe(times.verify, reference) != threads:
+            # against the probe's time for this tree on the idle host, not the prediction (which follows a stall)
+            if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
                 torch.set_num_threads(governor.current)
             self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
             lookup_tokens, lookup_rates = self._proposed(proposals, "lookup")

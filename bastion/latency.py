@@ -302,9 +302,10 @@ class LatencyModel:
         timings) to the sample's by the roofline's own ratio C(s, c) / C(s, c_probe). 1 with no window."""
         if not self.anchors or not self.samples:
             return 1.0
+        table = self._anchor_table()
         ratios = []
         for s, c, t in self.samples:
-            anchored = self.anchored(s, c)
+            anchored = self._carried(table, s, c)
             if anchored:
                 ratios.append(t / anchored)
         ratios.sort()
@@ -315,10 +316,14 @@ class LatencyModel:
         to c by the roofline's ratio C(s, c) / C(s, c_probe): what a verification cost on the host as
         the probe found it — a reference that, unlike :meth:`predict`, does not follow the recent
         rounds (the engine's thread governor compares against it). None before a probe."""
-        if not self.anchors:
-            return None
-        times = {n: t for n, _, t in self.anchors}
-        c_probe = self.anchors[0][1]
+        return self._carried(self._anchor_table(), s, c) if self.anchors else None
+
+    def _anchor_table(self) -> tuple[dict[int, float], int]:
+        """The probe's times by row count, and the probe's context (one for all its timings)."""
+        return {n: t for n, _, t in self.anchors}, self.anchors[0][1]
+
+    def _carried(self, table: tuple[dict[int, float], int], s: int, c: int) -> float:
+        times, c_probe = table
         return _interpolate(times, s) * self.roofline(s, c) / max(self.roofline(s, c_probe), 1e-12)
 
     def relative_error(self) -> float | None:

@@ -12,9 +12,9 @@ the app beside a browser is that machine.
 verification time against what the engine's probe measured for that many rows on the idle host
 (:meth:`LatencyModel.anchored`; not the model's prediction, which follows the recent rounds and so
 the stall itself) — and halves the thread count; it tries the full count again now and then, so the
-run speeds up again when the other process leaves. The engine
-applies its decision with ``torch.set_num_threads`` between rounds (the result does not change: the
-native products sum each output in the same order on any number of threads).
+run speeds up again when the other process leaves. The engine applies its decision with
+``torch.set_num_threads`` between rounds (the result does not change: the native products sum each
+output in the same order on any number of threads).
 """
 
 from __future__ import annotations
