@@ -293,11 +293,16 @@ class Runtime:
         """The engine's acceptance calibration for cfg's sampling rule, for the calibration plot:
         observed (q, acceptance rate, count) per depth group and bin, the fitted per-node g(q) curves
         and the path scale κ the tree builder multiplies every path's P with."""
-        with self.lock:
+        def read() -> dict:
             cal = self.engine.calibrator(cfg)
             qs = [i / 40 for i in range(41)]
             return {"temperature": cfg.temperature, "points": cal.reliability(), "qs": qs,
                     "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}, "path_scale": cal.path_scale}
+
+        # torch ops, however small, on a Gradio worker thread gave that long-lived thread an OpenMP
+        # team of its own, and every later forward ran 2× slower (AR 78 → 44 tok/s, session 25)
+        with self.lock:
+            return self._on_engine_thread(read)
 
     def _record(self, step, calib: dict, clock: float) -> dict:
         rec = step.to_dict()

@@ -6,13 +6,15 @@ import threading
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 gr = pytest.importorskip("gradio")
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from app.engine_glue import THIS_MACHINE, Runtime, replan  # noqa: E402
-from app.handlers import VIEW_FIELDS, Handlers, execute, parse_settings, start_run, threads_note  # noqa: E402
+from app.handlers import (VIEW_FIELDS, Handlers, execute, full_view, parse_settings, round_view,  # noqa: E402
+                          start_run, threads_note)
 from app.state import export_run, load_run, run_summary  # noqa: E402
 from app.ui import create_app, launch  # noqa: E402
 from bastion.engine import Engine, GenerationConfig  # noqa: E402
@@ -342,3 +344,33 @@ def test_loading_runs_on_the_engine_thread(monkeypatch):
     assert not rt.refresh_drafter()  # the loader again, still no drafter
     assert len(seen) == 3 and all(name.startswith("bastion-engine") for name in seen), seen
     assert threading.current_thread().name not in seen
+
+
+class TorchCalls(TorchFunctionMode):
+    """Records the torch functions called on the thread that entered it (the mode stack is per thread)."""
+
+    METADATA = ("__get__", "is_floating_point", "size", "dim")  # reading a tensor's attributes computes nothing
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in self.METADATA:
+            self.calls.append(getattr(func, "__qualname__", name))
+        return func(*args, **(kwargs or {}))
+
+
+def test_serving_threads_compute_nothing_with_torch():
+    """A whole run as the page serves it — baseline, main run, calibration read, final view, a redrawn
+    round — leaves no torch op on the serving thread: even the calibration plot's few small ops gave
+    Gradio's long-lived worker thread an OpenMP team, and every later forward ran 2× slower (session 25)."""
+    rt = tiny_runtime()
+    rt.warmup()
+    with TorchCalls() as seen:
+        run = _full_run(rt)
+        full_view(run, THIS_MACHINE)
+        round_view(run, 1, THIS_MACHINE)
+    assert run["status"] == "finished" and run["calibration"]["curves"] and len(run["steps"]) > 1
+    assert not seen.calls, sorted(set(seen.calls))
