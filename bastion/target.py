@@ -20,6 +20,8 @@ from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attenti
 from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
 from .kernels.cpu_modules import use_native_modules
 
+HEAD_SLICES = 4  # lm_head(rows=...) slices kept: a drafter's vocabulary, a request's extra rows, and spares
+
 
 class GrowingLayer(DynamicLayer):
     """A cache layer whose ``keys`` / ``values`` [b, heads, n, d] are views of buffers with spare rows.
@@ -121,7 +123,9 @@ class Target:
         self._feature_layers: list[int] = []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
-        self._head_rows: tuple | None = None  # (key, weight rows, bias rows, panels) for lm_head(rows=...)
+        # lm_head(rows=...)'s slices, newest last: key -> (rows, weight rows, bias rows, panels); a few
+        # are kept, so a drafter's fixed vocabulary and a request's extra rows are packed once each
+        self._head_slices: dict[tuple, tuple] = {}
         # forward_tree's own decoder loop (see _lean_forward): None until first checked, then whether
         # this model qualifies; set False to always go through transformers' forward
         self.lean: bool | None = None
@@ -166,26 +170,30 @@ class Target:
                 low_precision: bool = False) -> torch.Tensor:
         """Logits [..., V] of hidden [..., h]; with ``rows`` [V_d] only those vocabulary rows [..., V_d].
 
-        The row slice of the head is cached (per rows tensor), so a drafter with a draft vocabulary
-        reads V_d·h weights per call instead of V·h. ``low_precision`` (a drafter's, with ``rows``):
-        the slice is multiplied in bf16 where the native kernel can (``kernels.cpu_linear``).
+        The row slice of the head is cached per rows tensor (the last ``HEAD_SLICES`` of them, each
+        holding its rows tensor, so a freed tensor's id is never mistaken for it), so a drafter with a
+        draft vocabulary reads V_d·h weights per call instead of V·h. ``low_precision`` (a drafter's,
+        with ``rows``): the slice is multiplied in bf16 where the native kernel can (``kernels.cpu_linear``).
         """
         head = self.model.get_output_embeddings()
         if rows is None:
             return head(hidden)
         # inference-mode tensors cannot be saved for backward: keep one slice per mode
-        key = (id(rows), rows.data_ptr(), head.weight.data_ptr(), torch.is_inference_mode_enabled(), low_precision,
+        key = (id(rows), head.weight.data_ptr(), torch.is_inference_mode_enabled(), low_precision,
                getattr(head, "compress", True))
-        if self._head_rows is None or self._head_rows[0] != key:
+        hit = self._head_slices.pop(key, None)
+        if hit is None or hit[0] is not rows:
             with torch.no_grad():
                 w = head.weight.index_select(0, rows.to(head.weight.device))
                 b = None if head.bias is None else head.bias.index_select(0, rows.to(head.weight.device))
             # the head's linear mode decides whether the slice gets native panels too
             native = getattr(head, "native", False) and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_native.available()
-            self._head_rows = (key, w, b, pack_for(w, low_precision, getattr(head, "compress", True))
-                               if native else None)
-        _, w, b, panels = self._head_rows
+            hit = (rows, w, b, pack_for(w, low_precision, getattr(head, "compress", True)) if native else None)
+        self._head_slices[key] = hit  # newest last
+        while len(self._head_slices) > HEAD_SLICES:
+            self._head_slices.pop(next(iter(self._head_slices)))
+        _, w, b, panels = hit
         return skinny_linear(hidden, w, b, panels)
 
     # ----------------------------------------------------------------- feature capture

@@ -330,10 +330,54 @@ def test_drafts_run_in_bf16_where_the_cpu_can_and_stay_close_to_float32():
         cache = d.new_cache()
         d.extend_cache(cache, feats)
         runs[mode] = d.draft(cache, 3, target.embed, target.lm_head)
-        head_panels = target._head_rows[3]
+        head_panels = list(target._head_slices.values())[-1][3]  # the newest slice: this draft's
         if cpu_native.available():
             want = torch.bfloat16 if mode == "native-bf16" else torch.float32  # AVX512-BF16 pairs or widened
             assert head_panels.dtype == want and d.fc.panels().dtype == want
     assert not d.low_precision
     torch.testing.assert_close(runs["native-bf16"], runs["native"], rtol=0, atol=5e-2)
     assert torch.equal(runs["native-bf16"].argmax(-1), runs["native"].argmax(-1))
+
+
+def test_a_widened_vocabulary_reuses_the_drafters_head_slice_and_drafts_the_same_bits(monkeypatch):
+    """The engine widens the draft vocabulary per request (the prompt's tokens, then new ones as the
+    reply brings them): the drafter asks the head for [its vocabulary ; the extra rows] as two slices,
+    so the big one is gathered and packed once per drafter, not per request and widening — with
+    log q bit-identical to one slice over the widened rows (each column is the same dot product)."""
+    import bastion.target as target_mod
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target, layers=2)
+    packed = []
+    real_pack = target_mod.pack_for
+    monkeypatch.setattr(target_mod, "pack_for", lambda w, *a: packed.append(w.shape[0]) or real_pack(w, *a))
+    base = torch.arange(0, target.vocab_size - 1, 2)
+    feats = torch.randn(6, 2 * target.hidden_size)
+
+    def draft(vocab):
+        cache = d.new_cache()
+        d.extend_cache(cache, feats)
+        return d.draft(cache, 3, target.embed, target.lm_head, vocab)
+
+    d.set_draft_vocab(base)
+    first = torch.cat([base, torch.tensor([5, 11, 1])])     # a request: its prompt's extra tokens
+    split = draft(first)
+    second = torch.cat([base, torch.tensor([7, 9])])        # the next request
+    draft(second)
+    wider = torch.cat([second, torch.tensor([13])])         # ... widened by a generated token
+    draft(wider)
+    assert split.shape[-1] == len(first)
+    if cpu_native_built():
+        assert packed == [len(base), 3, 2, 3], packed  # the vocabulary's slice packed once
+    d.set_draft_vocab(None)  # no vocabulary of its own: the same rows as one slice
+    assert torch.equal(draft(first), split)
+    assert torch.equal(draft(wider), (d.set_draft_vocab(base), draft(wider))[1])
+    reordered = torch.cat([base.flip(0), torch.tensor([5])])  # not an extension: one slice, still right
+    got = draft(reordered)
+    d.set_draft_vocab(None)
+    assert torch.equal(got, draft(reordered))
+
+
+def cpu_native_built() -> bool:
+    from bastion.kernels import cpu_native
+    return cpu_native.available()
