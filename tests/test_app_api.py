@@ -362,14 +362,15 @@ class TorchCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_serving_threads_compute_nothing_with_torch():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_serving_threads_compute_nothing_with_torch(temperature):
     """A whole run as the page serves it — baseline, main run, calibration read, final view, a redrawn
     round — leaves no torch op on the serving thread: even the calibration plot's few small ops gave
     Gradio's long-lived worker thread an OpenMP team, and every later forward ran 2× slower (session 25)."""
     rt = tiny_runtime()
     rt.warmup()
     with TorchCalls() as seen:
-        run = _full_run(rt)
+        run = _full_run(rt, temperature=temperature)
         full_view(run, THIS_MACHINE)
         round_view(run, 1, THIS_MACHINE)
     assert run["status"] == "finished" and run["calibration"]["curves"] and len(run["steps"]) > 1
