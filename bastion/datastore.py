@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from .train import load_shards
+    from .traindata import load_shards
 
     ap = argparse.ArgumentParser(prog="python -m bastion.datastore", description=main.__doc__)
     ap.add_argument("--data", type=Path, action="append", required=True,

@@ -47,7 +47,7 @@ def data_records(folders: list[Path], layer_ids: list[int], n: int, seed: int = 
     """``n`` records sampled (without replacement, seeded) from training data folders
     (``train data`` / ``train replay``), in :func:`eval_records`' form, category "trained". Their
     features must be the drafter's layers: a ValueError names both otherwise."""
-    from .train import load_shards
+    from .traindata import load_shards
 
     for folder in folders:
         if not (folder / "meta.json").is_file():

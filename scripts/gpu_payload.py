@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bastion.embedded import gguf_path  # noqa: E402
 from bastion.loading import DEFAULT_DRAFTER  # noqa: E402
-from bastion.train import load_shards  # noqa: E402
+from bastion.traindata import load_shards  # noqa: E402
 
 MIB = 1 << 20
 WHEELS = ("transformers==5.23.0", "gguf==0.19.0")

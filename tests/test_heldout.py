@@ -167,7 +167,7 @@ def test_data_records_sample_training_replies_with_their_stored_features(tmp_pat
     import json
 
     from bastion.heldout import data_records, evaluate, main
-    from bastion.train import _records
+    from bastion.traindata import _records
 
     target = tiny_target("llama", dtype=torch.float32)
     drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)

@@ -26,7 +26,7 @@ def test_dev_suite_is_larger_disjoint_and_excluded_from_training():
     """assets/dev_prompts.json: three categories of 30 distinct prompts, none an evaluation prompt or a
     few-shot example, and every corpus builder is told to leave them out."""
     from bastion.corpus import SEED_REQUESTS
-    from bastion.train import _eval_prompt_set
+    from bastion.traindata import _eval_prompt_set
 
     data = json.loads(DEV_PROMPTS.read_text())
     cats = {k: v for k, v in data.items() if isinstance(v, list)}
@@ -43,7 +43,7 @@ def test_fresh_self_suite_is_a_valid_suite_disjoint_and_excluded_from_training()
     from bastion.bench import read_prompts
     from bastion.corpus import SEED_REQUESTS
     from bastion.loading import FRESH_PROMPTS
-    from bastion.train import _eval_prompt_set
+    from bastion.traindata import _eval_prompt_set
 
     fresh = read_prompts(FRESH_PROMPTS)["self"]
     assert len(fresh) == len(set(fresh)) == 60
@@ -110,7 +110,7 @@ class _CharTokenizer:
 
 
 def test_make_requests_fails_loudly_when_the_model_cannot_write_requests():
-    from bastion.train import make_requests
+    from bastion.traindata import make_requests
     from tiny import tiny_target
 
     target = tiny_target(dtype=torch.float32)
@@ -126,7 +126,7 @@ def test_make_requests_fails_loudly_when_the_model_cannot_write_requests():
 def test_self_corpus_is_written_once_and_extended(tmp_path):
     """The embedded target writes its own requests; requests.json is reused, and a larger n appends."""
     from bastion.loading import EMBEDDED, load_target
-    from bastion.train import _requests_file
+    from bastion.traindata import _requests_file
 
     target = load_target(EMBEDDED, torch.float32, "cpu")
     first = _requests_file(target, tmp_path, 6, seed=0, batch=8)

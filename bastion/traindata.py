@@ -1,0 +1,267 @@
+"""The drafter's training data: the target's own greedy continuations of a prompt corpus, in shards.
+
+``make_data`` (``python -m bastion.train data``) generates them in batches — batching is what makes this
+affordable on 2 cores — with the feature-layer hidden states of every token (or token ids only,
+``--no-features``); ``make_replay`` turns the shipped datastore's replies back into such shards;
+``make_requests`` has the target write requests of its own (the ``self`` corpus). Finished shards are
+never redone, and no shard may hold an evaluation, development or fresh prompt (``_eval_prompt_set``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
+from .loading import DEV_PROMPTS, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt
+from .target import Target
+
+
+def _eval_prompt_set() -> set[str]:
+    """The prompts no training corpus may contain: the evaluation, development and fresh `self` suites."""
+    out = set()
+    for path in (EVAL_PROMPTS, DEV_PROMPTS, FRESH_PROMPTS):
+        data = json.loads(path.read_text())
+        out |= {p for v in data.values() if isinstance(v, list) for p in v}
+    return out
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
+    rate = done / max(time.time() - t0, 1e-9)
+    eta = (total - done) / rate if rate > 0 else float("inf")
+    print(f"\r[{done}/{total}] {rate:.2f}/s eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
+
+
+
+def _left_pad(enc: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch for ``generate``: [B, W] ids left-padded with `pad` and their [B, W] attention mask."""
+    width = max(map(len, enc))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+    att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    return ids, att
+
+
+@torch.inference_mode()
+def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclude: set[str] | None = None,
+                  max_new_tokens: int = 96, max_rounds: int | None = None) -> list[str]:
+    """`n` distinct requests written by the target itself (the "self" corpus).
+
+    Each round samples (T = 1, top-p 0.95, torch seeded with seed + round) continuations of `batch`
+    raw few-shot lists (``corpus.request_prompt``; categories in turn, so the corpus stays balanced)
+    and keeps the complete, distinct requests ``corpus.parse_requests`` finds. Raises if `max_rounds`
+    (default: enough for 4 tries per request) pass without `n` usable requests — a model that cannot
+    write requests (e.g. a random one) fails loudly instead of looping."""
+    tok, model = target.tokenizer, target.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rng = random.Random(seed)
+    exclude = exclude or set()
+    seen: set[str] = set()
+    out: list[str] = []
+    rounds = max_rounds if max_rounds is not None else max(4, math.ceil(4 * n / batch))
+    t0 = time.time()
+    for r in range(rounds):
+        cats = [REQUEST_CATEGORIES[(r * batch + i) % len(REQUEST_CATEGORIES)] for i in range(batch)]
+        enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
+        ids, att = _left_pad(enc, pad)
+        ids, att = ids.to(target.device), att.to(target.device)
+        width = ids.shape[1]
+        # HF samples from torch's global RNG (the device's, on a GPU): leave the caller's alone
+        with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+            torch.manual_seed(seed * 100_003 + r)
+            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
+                                 temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
+        for g in gen.tolist():
+            for q in parse_requests(tok.decode(g, skip_special_tokens=True)):
+                if q not in seen and q not in exclude and len(out) < n:
+                    seen.add(q)
+                    out.append(q)
+        _progress(len(out), n, t0, f"round {r + 1}/{rounds}")
+        if len(out) >= n:
+            print(file=sys.stderr)
+            return out
+    print(file=sys.stderr)
+    raise RuntimeError(f"the model wrote only {len(out)} usable requests of {n} in {rounds} rounds; "
+                       "use another corpus (--corpus base|broad) or a model that follows a list")
+
+
+def _requests_file(target: Target, out: Path, n: int, seed: int, batch: int = 64) -> list[str]:
+    """The "self" corpus of a data folder: written once to out/requests.json (sampling differs across
+    machines and library versions, so a rerun must reuse it, not regenerate it; a larger `n` appends)."""
+    path = out / "requests.json"
+    have = json.loads(path.read_text()) if path.is_file() else []
+    if len(have) >= n:
+        return have[:n]
+    # a larger --prompts extends the list (finished shards keep their prompts)
+    more = make_requests(target, n - len(have), seed=seed + 7919 * len(have), batch=batch,
+                         exclude=_eval_prompt_set() | set(have))
+    reqs = have + more
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(reqs, indent=0, ensure_ascii=False))
+    os.replace(tmp, path)
+    return reqs
+
+
+@torch.inference_mode()
+def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tokens: int, layer_ids: list[int],
+              seed: int = 0, corpus: str = "base", features: bool = True) -> None:
+    """Write shards of {ids, prompt_len[, feats]} records (see the module docstring); ``features=False``
+    stores token ids only, for ``fit --live-features``."""
+    out.mkdir(parents=True, exist_ok=True)
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
+    meta = {"layer_ids": layer_ids, "prompts": n_prompts, "max_new_tokens": max_new_tokens, "batch": batch,
+            "corpus": corpus, "seed": seed, "features": features}
+    # folders made before these keys existed
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
+                           {"corpus": "base", "seed": 0, "features": True})
+    if corpus == "self":
+        prompts = _requests_file(target, out, n_prompts, seed, batch=batch)
+    else:
+        prompts = build_corpus(n_prompts, seed=seed, exclude=_eval_prompt_set(), corpus=corpus)
+    (out / "meta.json").write_text(json.dumps(meta | {"prompts": len(prompts)}))
+    target.set_feature_layers(layer_ids)
+    tok, model = target.tokenizer, target.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n_shards = math.ceil(len(prompts) / batch)
+    t0 = time.time()
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.pt"
+        if path.exists():
+            continue
+        chunk = prompts[s * batch:(s + 1) * batch]
+        enc = [encode_prompt(tok, p) for p in chunk]
+        ids, att = _left_pad(enc, pad)
+        ids, att = ids.to(target.device), att.to(target.device)
+        width = ids.shape[1]
+        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad)[:, width:]
+        seqs = []
+        for e, g in zip(enc, gen.tolist()):
+            stop = next((i for i, t in enumerate(g) if t in (tok.eos_token_id, pad)), len(g) - 1)
+            seqs.append(e + g[:stop + 1])
+        _atomic_save(_records(target, seqs, [len(e) for e in enc], pad, features), path)
+        _progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+def _refuse_other_settings(out: Path, meta: dict, keys: tuple[str, ...], defaults: dict | None = None) -> None:
+    """Raise if ``out`` already holds shards made with other values of ``keys`` (finished shards would
+    silently belong to another prompt list); ``defaults`` fill keys older folders lack."""
+    old = out / "meta.json"
+    if old.is_file() and any(out.glob("shard_*.pt")):
+        prev = (defaults or {}) | json.loads(old.read_text())
+        clash = [k for k in keys if prev.get(k) != meta[k]]
+        if clash:
+            raise ValueError(f"{out} holds shards made with other settings ({', '.join(clash)}); use a new --out")
+
+
+def _records(target: Target, seqs: list[list[int]], prompt_lens: list[int], pad: int,
+             features: bool = True) -> list[dict]:
+    """Shard records {ids, prompt_len[, feats]}: one forward over the right-padded batch gives every
+    token's feature-layer states (fp16)."""
+    records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": p} for q, p in zip(seqs, prompt_lens)]
+    if features:
+        L = max(map(len, seqs))
+        full = torch.tensor([q + [pad] * (L - len(q)) for q in seqs])
+        fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q in seqs])
+        feats = target.batch_features(full.to(target.device), fmask.to(target.device)).cpu()
+        for i, r in enumerate(records):
+            r["feats"] = feats[i, :len(seqs[i])].to(torch.float16).clone()
+    return records
+
+
+def assistant_header(tokenizer) -> list[int]:
+    """The tokens that open the assistant's turn: the common suffix of two chat-templated prompts."""
+    a, b = encode_prompt(tokenizer, "a"), encode_prompt(tokenizer, "b")
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]
+
+
+@torch.inference_mode()
+def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: int, layer_ids: list[int],
+                seed: int = 0, features: bool = True) -> None:
+    """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample; ``n_seqs`` ≤ 0:
+    all of them), for training on earlier data whose shards are gone: the datastore keeps every
+    reply's token ids (prompt included), so one forward per batch restores the features — no
+    generation. The prompt ends after the last assistant header (:func:`assistant_header`); replies
+    without one are skipped. ``features=False`` writes token ids only, without running the target
+    (seconds, a few MB: the input of ``fit --live-features`` on a GPU, ``scripts/gpu_payload.py``)."""
+    from .datastore import Datastore
+
+    store = Datastore.load(datastore, target.vocab_size)
+    flat = store.tokens.tolist()
+    seqs, cur = [], []
+    for t in flat:
+        if t == -1:
+            seqs.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    header = assistant_header(target.tokenizer)
+    h = len(header)
+
+    def split(q: list[int]) -> int:
+        for i in range(len(q) - h, -1, -1):
+            if q[i:i + h] == header:
+                return i + h
+        return -1
+
+    pairs = [(q, split(q)) for q in seqs]
+    pairs = [(q, p) for q, p in pairs if 0 < p < len(q)]
+    if not pairs:
+        raise ValueError(f"{datastore}: no stored reply follows an assistant header of this target's chat template")
+    random.Random(seed).shuffle(pairs)
+    if n_seqs > 0:
+        pairs = pairs[:n_seqs]
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
+            "features": features, "datastore": str(datastore)}
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
+                           defaults={"features": True})
+    (out / "meta.json").write_text(json.dumps(meta))
+    target.set_feature_layers(layer_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    n_shards, t0 = math.ceil(len(pairs) / batch), time.time()
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.pt"
+        if path.exists():
+            continue
+        chunk = pairs[s * batch:(s + 1) * batch]
+        _atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
+        _progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:
+    """Every record of every finished shard of one or several data folders. ``ids_only``: memory-map
+    the shards and keep only the token ids (no features: a few MB instead of GBs, e.g. for a datastore)."""
+    records = []
+    for folder in ([data] if isinstance(data, Path) else data):
+        for path in sorted(folder.glob("shard_*.pt")):
+            if ids_only:
+                records.extend({k: (v.clone() if k == "ids" else v) for k, v in r.items() if k != "feats"}
+                               for r in torch.load(path, mmap=True))
+            else:
+                records.extend(torch.load(path))
+    if not records:
+        raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out DIR` first")
+    return records
+
+
+def _count_shards(data: list[Path]) -> int:
+    return sum(len(list(d.glob("shard_*.pt"))) for d in data)
