@@ -43,7 +43,7 @@ from .drafter import DFlashDrafter, load_drafter, save_drafter, spread_layer_ids
 from .drafter_ops import average_drafters, build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
 from .loading import EMBEDDED, load_target
 from .target import Target
-from .traindata import _atomic_save, _count_shards, _progress, load_shards, make_data, make_replay
+from .traindata import atomic_save, count_shards, load_shards, make_data, make_replay, progress
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
 MASK_TOKEN_SMOLLM2 = 16  # <empty_output>: a special token that never appears in chat text
@@ -264,7 +264,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
             raise ValueError(f"{', '.join(no_feats)} hold token ids only (data/replay --no-features): "
                              "train with --live-features")
     records = load_shards(data, ids_only=live)
-    n_shards = _count_shards(data)
+    n_shards = count_shards(data)
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
     for p in target.model.parameters():
         p.requires_grad_(False)
@@ -349,18 +349,18 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
                    | ({"kd": kd} if kd else {}) | ({"accept": accept} if accept else {}))  # another scale: say so
-        _progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
-        if step % ckpt_every == 0 and _count_shards(data) > n_shards:
+        progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
+        if step % ckpt_every == 0 and count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
             # (the old list is dropped first: holding both doubles the peak memory)
             records = None
             records = load_shards(data, ids_only=live)
-            n_shards = _count_shards(data)
+            n_shards = count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
             if draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
                 fit_vocab(draft_vocab)
         if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
-            _atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
+            atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                           "rng": rng.getstate()}, state_path)
             (ckpt / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in log))
             if export:

@@ -33,13 +33,13 @@ def _eval_prompt_set() -> set[str]:
     return out
 
 
-def _atomic_save(obj, path: Path) -> None:
+def atomic_save(obj, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def _progress(done: int, total: int, t0: float, extra: str = "") -> None:
+def progress(done: int, total: int, t0: float, extra: str = "") -> None:
     rate = done / max(time.time() - t0, 1e-9)
     eta = (total - done) / rate if rate > 0 else float("inf")
     print(f"\r[{done}/{total}] {rate:.2f}/s eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
@@ -88,7 +88,7 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
                 if q not in seen and q not in exclude and len(out) < n:
                     seen.add(q)
                     out.append(q)
-        _progress(len(out), n, t0, f"round {r + 1}/{rounds}")
+        progress(len(out), n, t0, f"round {r + 1}/{rounds}")
         if len(out) >= n:
             print(file=sys.stderr)
             return out
@@ -152,8 +152,8 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         for e, g in zip(enc, gen.tolist()):
             stop = next((i for i, t in enumerate(g) if t in (tok.eos_token_id, pad)), len(g) - 1)
             seqs.append(e + g[:stop + 1])
-        _atomic_save(_records(target, seqs, [len(e) for e in enc], pad, features), path)
-        _progress(s + 1, n_shards, t0, f"shard {s}")
+        atomic_save(_records(target, seqs, [len(e) for e in enc], pad, features), path)
+        progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
 
 
@@ -242,8 +242,8 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
         if path.exists():
             continue
         chunk = pairs[s * batch:(s + 1) * batch]
-        _atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
-        _progress(s + 1, n_shards, t0, f"shard {s}")
+        atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
+        progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
 
 
@@ -263,5 +263,5 @@ def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:
     return records
 
 
-def _count_shards(data: list[Path]) -> int:
+def count_shards(data: list[Path]) -> int:
     return sum(len(list(d.glob("shard_*.pt"))) for d in data)

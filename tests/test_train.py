@@ -188,7 +188,7 @@ def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path
     d.set_draft_vocab(vocab)
     save_drafter(d, init)
     counts = iter(range(1, 100))  # the shard count grows at every check: every checkpoint reloads
-    monkeypatch.setattr(train, "_count_shards", lambda data: next(counts))
+    monkeypatch.setattr(train, "count_shards", lambda data: next(counts))
     fit = ["fit", "--data", str(data), "--ckpt", str(tmp_path / "ckpt"), "--rows", "2", "--anchors", "2",
            "--loss-depths", "3", "--ckpt-every", "1", "--steps", "2", "--init", str(init),
            "--export", str(tmp_path / "out")] + common
