@@ -12,8 +12,7 @@ import gc
 import statistics
 import time
 from contextlib import contextmanager
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from .calibration import AcceptanceCalibrator
 from .drafter import DFlashDrafter
 from .datastore import NgramPrior
+from .draft_policy import DraftDepth, DraftGate
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
@@ -31,7 +31,7 @@ from .records import GenerationResult, StageTimes, Step
 from .target import Target
 from .threads import ThreadGovernor
 from .tree import DraftTree
-from .verify import SamplingParams, accept
+from .verify import Acceptance, SamplingParams, accept
 
 STRATEGIES = ("ar", "chain", "fixed", "bastion")
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
@@ -86,81 +86,6 @@ class GenerationConfig:
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
 
-
-
-@dataclass
-class DraftDepth:
-    """How many of the block's B − 1 depths to draft: D for the block [root, MASK × D].
-
-    The drafter's work grows with the depths drafted: its layers' rows, then the LM head over the
-    draft vocabulary, the log-softmax, the top-k and the calibration. The throughput rule keeps trees
-    shallow on a CPU: on the embedded target the deepest drafter node was at depth ≤ 6 in 99% of
-    Bastion's rounds and never past 8 (9 eval prompts, 499 rounds), while a full block drafts 15.
-    Bastion drafts D = max(``floor``, deepest drafter node of the last ``window`` trees + ``margin``),
-    at most B − 1, and the full block until a tree has been seen; a tree that reaches D raises the
-    next D, so a growing tree is never held back for long. The floor is there because the block
-    attention is non-causal: a much shorter block than the drafter was trained on shifts its
-    marginals (interleaved, all 30 eval prompts: with no floor τ 2.40 against the full block's 2.49;
-    with a floor of 8, 2.43 against 2.46 and 1.86× against 1.79× AR, bench/NOTES.md).
-    ``fixed`` trees of n nodes are at most n deep: they draft min(B − 1, n); ``chain`` (DFlash) the
-    full block; ``window`` 0 keeps D at ``full``.
-    """
-
-    full: int
-    margin: int = 3
-    window: int = 8
-    floor: int = 8
-    recent: deque = field(default_factory=deque)
-
-    def depth(self) -> int:
-        if not self.recent:
-            return self.full
-        return max(1, min(self.full, max(self.floor, max(self.recent) + self.margin)))
-
-    def observe(self, tree: DraftTree) -> None:
-        """Record the deepest drafter node (rank ≥ 0) of a drafted tree (nothing when D is fixed)."""
-        if self.window == 0:
-            return
-        self.recent.append(max((d for d, r in zip(tree.depths[1:], tree.ranks[1:]) if r >= 0), default=0))
-        if len(self.recent) > self.window:
-            self.recent.popleft()
-
-
-@dataclass
-class DraftGate:
-    """Bastion's size-zero option: skip the draft while drafting is predicted not to pay.
-
-    The throughput rule sizes a tree once the draft is paid for. One size is left out: no draft at
-    all, a plain step at 1 / (T_o + C(1)). After each draft the gate compares that rate with the
-    predicted rate of the tree the rule chose, S_n / (T_d + T_o + C(n)); when the tree loses, the next
-    ``skip`` rounds go without a draft (1, 2, 4, … up to ``max_skip`` while it keeps losing; back to 1
-    as soon as a draft pays). Skipped rounds still feed the drafter's context, and every round is
-    verified by the target, so the output is unchanged: only the speed on a weak drafter (or at a
-    high temperature) is protected.
-    """
-
-    max_skip: int = 8
-    skip: int = 1
-    left: int = 0
-    tree_rate: float = 0.0
-    plain_rate: float = 0.0
-
-    def draft_now(self) -> bool:
-        if self.left > 0:
-            self.left -= 1
-            return False
-        return True
-
-    def judge(self, tree_rate: float, plain_rate: float) -> None:
-        self.tree_rate, self.plain_rate = tree_rate, plain_rate
-        if tree_rate < plain_rate:
-            self.left, self.skip = self.skip, min(2 * self.skip, self.max_skip)
-        else:
-            self.skip = 1
-
-    def reason(self) -> str:
-        return (f"draft skipped: the last tree was predicted at {self.tree_rate:.1f} tok/s, "
-                f"below a plain step's {self.plain_rate:.1f} tok/s")
 
 
 class Timer:
@@ -219,6 +144,57 @@ def freeze_heap() -> None:
 
 
 _UNFREEZE_AT_EXIT = False
+
+
+@dataclass
+class _Request:
+    """What one request carries from round to round: the root (the last committed token, not yet in
+    the target's cache) and the token before it, counts, and the per-request state of each stage."""
+
+    cfg: GenerationConfig
+    root: int
+    before_root: int | None
+    committed: int                  # tokens committed so far, prompt included (the root among them)
+    dcache: object | None           # the drafter's context cache (None: AR, or no drafter)
+    vocab: torch.Tensor | None      # the draft vocabulary, widened by this request's tokens
+    in_vocab: set[int]
+    calib: AcceptanceCalibrator
+    copies: CopySources | None
+    gate: DraftGate | None
+    depth: DraftDepth
+    noise: GumbelRows | None
+    governor: ThreadGovernor | None
+    prefill_s: float
+    generated: int = 0
+    index: int = 0
+
+
+@dataclass
+class _Draft:
+    """One round's draft on the host: ``topk`` = (log confidences, ids), each D lists of k (the
+    confidences calibrated when the request calibrates), ``raw`` the drafter's own log q when the
+    confidences differ from it."""
+
+    topk: tuple[list[list[float]], list[list[int]]]
+    raw: list[list[float]] | None
+
+
+@dataclass
+class _Plan:
+    """The tree a round verifies (with the copy sources merged) and its target inputs: ``rows``
+    tokens (the tree padded with dummy rows), the additive mask (1, 1, rows, prefix + rows) and the
+    position ids (1, rows)."""
+
+    exp: Expansion
+    proposals: list
+    rows: int
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor
+
+    @property
+    def tree(self) -> DraftTree:
+        return self.exp.tree
 
 
 class Engine:
@@ -439,124 +415,178 @@ class Engine:
 
     def _rounds(self, prompt_ids: list[int], cfg: GenerationConfig,
                 governor: ThreadGovernor | None) -> Iterator[Step]:
-        """The round loop of :meth:`generate` (inputs checked, engine prepared)."""
-        limit = self.target.max_positions
-        target, drafter, params = self.target, self.drafter, cfg.sampling
-        device = target.device
-        t_prefill = time.perf_counter()
-        prefill = target.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long, device=device))
-        # AR never drafts: it must not pay for keeping the drafter's context cache (a fair baseline)
-        dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" else None
-        if dcache is not None and prefill.features is not None:
-            drafter.extend_cache(dcache, prefill.features)
-        root, committed, generated = prompt_ids[-1], len(prompt_ids), 0
-        before_root = prompt_ids[-2] if len(prompt_ids) > 1 else None
-        vocab, in_vocab = self._request_vocab(prompt_ids)
-        calib = self.calibrator(cfg)
-        copies = self.copy_sources(cfg, prompt_ids)
-        gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
-        depth = self._draft_depth(cfg)
-        # sampled draws: each position's noise row hashed once per request, not once per round
-        noise = GumbelRows(params.seed, device) if params.temperature > 0 and self.kernels.reuses_noise else None
-        index, t_start, paused = 0, time.perf_counter(), 0.0
-        prefill_s = t_start - t_prefill
+        """The round loop of :meth:`generate` (inputs checked, engine prepared).
+
+        Each round, in the paper's order: draft the block's marginals (:meth:`_draft`), grow and size
+        the tree and merge the copy sources (:meth:`_plan`), verify it in one target forward, accept
+        and commit (:meth:`_accept`), then cut the round's tokens at a stop (:meth:`_emit`) and feed
+        the measured times back to the latency model and the thread governor (:meth:`_learn`).
+        """
+        req = self._begin(prompt_ids, cfg, governor)
+        t_start, paused = time.perf_counter(), 0.0
         while True:
             times = StageTimes()
-            prefix = target.cache_len  # = committed − 1: every committed token but the root
-            topk = raw_logq = None
-            drafting = cfg.strategy != "ar" and (gate is None or gate.draft_now())
-            if drafting:
-                with self.timer(times, "draft"):
-                    logq = drafter.draft(dcache, root, target.embed, target.lm_head, vocab, depth.depth())
-                    # never draft past the context limit; one host transfer of the top-k lists
-                    logq = logq[:max(0, min(logq.shape[0], limit - committed - 1))]
-                    k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
-                    raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), vocab)
-                    used = calib.log_g(raw) if cfg.calibrate else raw
-                    topk = (used.float().cpu().tolist(), ids.cpu().tolist())
-                    raw_logq = raw.float().cpu().tolist() if used is not raw else None
-            with self.timer(times, "build"):
-                exp = self._build(cfg, root, topk, prefix, raw_logq, before_root, calib)
-                tree = exp.tree
-                cost = self.cost(cfg, prefix)
-                if gate is not None and drafting:
-                    c1, cn = cost(1), cost(len(tree))
-                    gate.judge(tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
-                               1.0 / max(self.latency.overhead_s + c1, 1e-12))
-                elif gate is not None:
-                    exp.stop_reason = gate.reason()
-                if drafting and topk is not None and len(topk[0]) < depth.full:
-                    exp.stop_reason += f" · drafted {len(topk[0])} of {depth.full} depths"
-                proposals = copies.propose(drafting) if copies is not None else []
-                for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
-                    n_before = len(exp.tree)
-                    prop.chain = extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost,
-                                                  self.latency.round_overhead() if drafting
-                                                  else self.latency.overhead_s, cfg.max_nodes,
-                                                  limit - committed - 1, prop.source, prop.rates)
-                    prop.reused = sum(1 for v in prop.chain if v < n_before)
-                tree = exp.tree
-                # dummy rows (children of the root, never accepted, cropped at commit) up to the
-                # cheapest row count: see RowPadding
-                n, rows = len(tree), self.rows(cfg, len(tree))
-                mask, pos = self.kernels.tree_mask(tree.parents + [0] * (rows - n), prefix, target.dtype, device)
-                tokens = torch.tensor(tree.tokens + [root] * (rows - n), dtype=torch.long, device=device)
+            prefix = self.target.cache_len  # = committed − 1: every committed token but the root
+            drafting = cfg.strategy != "ar" and (req.gate is None or req.gate.draft_now())
+            draft = self._draft(req, times) if drafting else None
+            plan = self._plan(req, draft, prefix, times)
             with self.timer(times, "verify"):
-                out = target.forward_tree(tokens, mask, pos)
-            with self.timer(times, "commit"):
-                acc = accept(tree, out.logits[:n], params, self.kernels, pos[0, :n], noise)
-                target.commit(prefix, acc.accepted)
-                if dcache is not None and out.features is not None:  # encoded by the next draft
-                    dcache.defer(out.features[acc.accepted])
-                if drafting:
-                    depth.observe(tree)
-                if cfg.calibrate and topk is not None:  # tree.marginals hold the drafter's raw q
-                    calib.observe(tree, tree.marginals, acc.accepted)
-                if proposals:
-                    copies.observe(tree.parents, proposals, acc.accepted)
-            new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
-            finish = ""
-            for j, tok in enumerate(new):
-                if tok in self.stop_ids:
-                    new, finish = new[:j + 1], "stop token"
-                    break
-            if generated + len(new) >= cfg.max_new_tokens:
-                new, finish = new[:cfg.max_new_tokens - generated], finish or "max_new_tokens"
-            generated += len(new)
-            if vocab is not None and not in_vocab.issuperset(new):  # a word the draft vocabulary lacked
-                vocab = self._widen_vocab(vocab, in_vocab, new)
-            if copies is not None:
-                copies.extend(new)
-            if not finish and committed + len(new) + 1 >= limit:
-                finish = "context limit"
-            predicted = self.latency.predict(rows, prefix)  # before this round's measurement
-            self.latency.observe(rows, prefix, times.verify)
-            threads = torch.get_num_threads()  # this round's
-            # against the probe's time for this tree on the idle host, not the prediction (which follows a stall)
-            if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
-                torch.set_num_threads(governor.current)
-            self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
-            lookup_tokens, lookup_rates = self._proposed(proposals, "lookup")
-            datastore_tokens, datastore_rates = self._proposed(proposals, "datastore")
-            step = Step(index, cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
-                        self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
-                        exp.round_overhead, times, committed, generated, time.perf_counter() - t_start - paused,
-                        prefill_s=prefill_s, finished=bool(finish), finish_reason=finish,
-                        draft_logq=[row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
-                        draft_ids=[row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
-                        lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=rows,
-                        datastore_tokens=datastore_tokens, datastore_rates=datastore_rates,
-                        conditioned=exp.conditioned, threads=threads)
+                out = self.target.forward_tree(plan.tokens, plan.mask, plan.pos)
+            acc = self._accept(req, draft, plan, out, prefix, times)
+            new, finish = self._emit(req, plan.tree, acc)
+            predicted, threads = self._learn(req, plan.rows, prefix, times, drafting)
+            step = self._record(req, draft, plan, acc, new, finish, predicted, threads, times,
+                                time.perf_counter() - t_start - paused)
             t_yield = time.perf_counter()
             yield step
             # the consumer's time between rounds (drawing, streaming) is not decode time
             paused += time.perf_counter() - t_yield
             if finish:
                 return
-            committed += len(new)
-            before_root = new[-2] if len(new) > 1 else root
-            root = acc.bonus
-            index += 1
+            req.committed += len(new)
+            req.before_root = new[-2] if len(new) > 1 else req.root
+            req.root = acc.bonus
+            req.index += 1
+
+    def _begin(self, prompt_ids: list[int], cfg: GenerationConfig, governor: ThreadGovernor | None) -> _Request:
+        """Prefill the prompt (all but its last token, the first round's root) and set up the
+        request's state: the drafter's context cache, draft vocabulary, calibrator, copy sources,
+        draft gate and depth, and the sampled draws' noise rows."""
+        target, drafter, params = self.target, self.drafter, cfg.sampling
+        t_prefill = time.perf_counter()
+        prefill = target.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long, device=target.device))
+        # AR never drafts: it must not pay for keeping the drafter's context cache (a fair baseline)
+        dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" else None
+        if dcache is not None and prefill.features is not None:
+            drafter.extend_cache(dcache, prefill.features)
+        vocab, in_vocab = self._request_vocab(prompt_ids)
+        gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
+        # sampled draws: each position's noise row hashed once per request, not once per round
+        noise = GumbelRows(params.seed, target.device) if params.temperature > 0 and self.kernels.reuses_noise else None
+        return _Request(cfg, root=prompt_ids[-1], before_root=prompt_ids[-2] if len(prompt_ids) > 1 else None,
+                        committed=len(prompt_ids), dcache=dcache, vocab=vocab, in_vocab=in_vocab,
+                        calib=self.calibrator(cfg), copies=self.copy_sources(cfg, prompt_ids), gate=gate,
+                        depth=self._draft_depth(cfg), noise=noise, governor=governor,
+                        prefill_s=time.perf_counter() - t_prefill)
+
+    def _draft(self, req: _Request, times: StageTimes) -> _Draft:
+        """One drafter forward over [root, MASK × D]: the top-k of each depth's marginal log q (D, k),
+        calibrated to log g(q) for ranking, on the host as lists."""
+        cfg, limit = req.cfg, self.target.max_positions
+        with self.timer(times, "draft"):
+            logq = self.drafter.draft(req.dcache, req.root, self.target.embed, self.target.lm_head, req.vocab,
+                                      req.depth.depth())
+            # never draft past the context limit; one host transfer of the top-k lists
+            logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]
+            k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
+            raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), req.vocab)
+            used = req.calib.log_g(raw) if cfg.calibrate else raw
+            topk = (used.float().cpu().tolist(), ids.cpu().tolist())
+            return _Draft(topk, raw.float().cpu().tolist() if used is not raw else None)
+
+    def _plan(self, req: _Request, draft: _Draft | None, prefix: int, times: StageTimes) -> _Plan:
+        """The tree this round verifies and its inputs: best-first growth from the draft, the draft
+        gate's judgement of it, the copy sources' branches merged where they pay, then the mask,
+        position ids and tokens of its rows (padded to the cheapest row count)."""
+        cfg, limit, device = req.cfg, self.target.max_positions, self.target.device
+        drafting, topk = draft is not None, draft.topk if draft is not None else None
+        with self.timer(times, "build"):
+            exp = self._build(cfg, req.root, topk, prefix, draft.raw if draft else None, req.before_root, req.calib)
+            cost = self.cost(cfg, prefix)
+            if req.gate is not None and drafting:
+                c1, cn = cost(1), cost(len(exp.tree))
+                req.gate.judge(exp.tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
+                               1.0 / max(self.latency.overhead_s + c1, 1e-12))
+            elif req.gate is not None:
+                exp.stop_reason = req.gate.reason()
+            if drafting and len(topk[0]) < req.depth.full:
+                exp.stop_reason += f" · drafted {len(topk[0])} of {req.depth.full} depths"
+            proposals = req.copies.propose(drafting) if req.copies is not None else []
+            for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
+                n_before = len(exp.tree)
+                prop.chain = extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost,
+                                              self.latency.round_overhead() if drafting
+                                              else self.latency.overhead_s, cfg.max_nodes,
+                                              limit - req.committed - 1, prop.source, prop.rates)
+                prop.reused = sum(1 for v in prop.chain if v < n_before)
+            tree = exp.tree
+            # dummy rows (children of the root, never accepted, cropped at commit) up to the
+            # cheapest row count: see RowPadding
+            n, rows = len(tree), self.rows(cfg, len(tree))
+            mask, pos = self.kernels.tree_mask(tree.parents + [0] * (rows - n), prefix, self.target.dtype, device)
+            tokens = torch.tensor(tree.tokens + [req.root] * (rows - n), dtype=torch.long, device=device)
+        return _Plan(exp, proposals, rows, tokens, mask, pos)
+
+    def _accept(self, req: _Request, draft: _Draft | None, plan: _Plan, out, prefix: int,
+                times: StageTimes) -> Acceptance:
+        """Walk the verified tree (greedy or sample-and-walk), keep the accepted rows of the target's
+        cache, queue their features for the drafter, and let the depth policy, the calibrator and
+        the copy sources learn from what was accepted."""
+        tree, n = plan.tree, len(plan.tree)
+        with self.timer(times, "commit"):
+            acc = accept(tree, out.logits[:n], req.cfg.sampling, self.kernels, plan.pos[0, :n], req.noise)
+            self.target.commit(prefix, acc.accepted)
+            if req.dcache is not None and out.features is not None:  # encoded by the next draft
+                req.dcache.defer(out.features[acc.accepted])
+            if draft is not None:
+                req.depth.observe(tree)
+                if req.cfg.calibrate:  # tree.marginals hold the drafter's raw q
+                    req.calib.observe(tree, tree.marginals, acc.accepted)
+            if plan.proposals:
+                req.copies.observe(tree.parents, plan.proposals, acc.accepted)
+        return acc
+
+    def _emit(self, req: _Request, tree: DraftTree, acc: Acceptance) -> tuple[list[int], str]:
+        """The round's new tokens (accepted drafts + bonus), cut at a stop token or max_new_tokens,
+        and why the request ends ("" while it goes on); widens the draft vocabulary by words it
+        lacked and feeds the copy sources."""
+        cfg = req.cfg
+        new = [tree.tokens[i] for i in acc.accepted[1:]] + [acc.bonus]
+        finish = ""
+        for j, tok in enumerate(new):
+            if tok in self.stop_ids:
+                new, finish = new[:j + 1], "stop token"
+                break
+        if req.generated + len(new) >= cfg.max_new_tokens:
+            new, finish = new[:cfg.max_new_tokens - req.generated], finish or "max_new_tokens"
+        req.generated += len(new)
+        if req.vocab is not None and not req.in_vocab.issuperset(new):  # a word the draft vocabulary lacked
+            req.vocab = self._widen_vocab(req.vocab, req.in_vocab, new)
+        if req.copies is not None:
+            req.copies.extend(new)
+        if not finish and req.committed + len(new) + 1 >= self.target.max_positions:
+            finish = "context limit"
+        return new, finish
+
+    def _learn(self, req: _Request, rows: int, prefix: int, times: StageTimes, drafting: bool) -> tuple[float, int]:
+        """Feed this round's measured verification and overheads to the latency model, and its
+        verification to the thread governor; returns (the prediction made before the measurement,
+        the round's thread count)."""
+        predicted = self.latency.predict(rows, prefix)  # before this round's measurement
+        self.latency.observe(rows, prefix, times.verify)
+        threads = torch.get_num_threads()  # this round's
+        # against the probe's time for this tree on the idle host, not the prediction (which follows a stall)
+        governor = req.governor
+        if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
+            torch.set_num_threads(governor.current)
+        self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
+        return predicted, threads
+
+    def _record(self, req: _Request, draft: _Draft | None, plan: _Plan, acc: Acceptance, new: list[int],
+                finish: str, predicted: float, threads: int, times: StageTimes, elapsed: float) -> Step:
+        """The round as a :class:`Step` (what the app draws and the benchmark counts)."""
+        exp, tree, topk = plan.exp, plan.tree, draft.topk if draft is not None else None
+        lookup_tokens, lookup_rates = self._proposed(plan.proposals, "lookup")
+        datastore_tokens, datastore_rates = self._proposed(plan.proposals, "datastore")
+        return Step(req.index, req.cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
+                    self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
+                    exp.round_overhead, times, req.committed, req.generated, elapsed,
+                    prefill_s=req.prefill_s, finished=bool(finish), finish_reason=finish,
+                    draft_logq=[row[:TOPK_RECORDED] for row in topk[0]] if topk else [],
+                    draft_ids=[row[:TOPK_RECORDED] for row in topk[1]] if topk else [],
+                    lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=plan.rows,
+                    datastore_tokens=datastore_tokens, datastore_rates=datastore_rates,
+                    conditioned=exp.conditioned, threads=threads)
 
     @staticmethod
     def _proposed(proposals: list, source: str) -> tuple[list[int], list[float]]:

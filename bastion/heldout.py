@@ -106,7 +106,7 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
     """For every anchor a in the reply: accepted chain length and per-depth hits of the drafter's argmax.
 
     ``block`` B' ≤ B: draft blocks of B' tokens, [token_a, MASK × (B'−1)] — what a decoding round with
-    an adaptive draft depth D = B'−1 runs (engine.DraftDepth); default the drafter's own B."""
+    an adaptive draft depth D = B'−1 runs (draft_policy.DraftDepth); default the drafter's own B."""
     from .train import block_mask  # the training-time packing of several blocks into one row
 
     ids, P, B = rec["ids"], rec["prompt_len"], block or drafter.block_size

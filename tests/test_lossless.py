@@ -115,7 +115,7 @@ def _frozen_latency(engine, draft_s, overhead_s=1e-4):
 
 
 def test_draft_gate_skips_a_useless_drafter_with_backoff_and_stays_lossless():
-    from bastion.engine import DraftGate
+    from bastion.draft_policy import DraftGate
     target = tiny_target("llama", dtype=torch.float64)
     engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
     _frozen_latency(engine, draft_s=5e-3)  # a draft costs five plain steps: a random drafter cannot pay
@@ -181,7 +181,7 @@ def test_row_padding_keeps_every_strategy_lossless():
 
 
 def test_draft_depth_follows_the_trees_and_stays_lossless():
-    from bastion.engine import DraftDepth
+    from bastion.draft_policy import DraftDepth
     from bastion.tree import DraftTree
 
     policy = DraftDepth(15, margin=3, window=2, floor=0)
