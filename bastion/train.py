@@ -32,6 +32,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -219,13 +220,22 @@ def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, los
     return loss, acc, run
 
 
-def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float, rows: int, anchors: int, lr: float,
-        layers: int | None, block: int, gamma: float, ckpt_every: int, export: Path | None, seed: int = 0,
-        mask_token_id: int = MASK_TOKEN_SMOLLM2, bf16: bool = True, loss_depths: int | None = None,
-        init: Path | None = None, draft_vocab: int | None = None, live: bool = False,
-        blocks: list[int] | None = None, kd: float = 0.0, add_feature_layers: list[int] | None = None,
-        accept: float = 0.0) -> None:
-    """Train (or resume) a drafter on the data folders; runs on the target's device.
+@dataclass(frozen=True)
+class FitConfig:
+    """How ``fit`` trains: the ``fit`` command's options (``python -m bastion.train fit --help``).
+
+    ``steps`` / ``minutes``: the cosine schedule runs over whichever budget ends first (``minutes`` 0:
+    steps only), after ``warmup`` linear steps, never below 5% of ``lr``. ``rows`` sequences of
+    ``anchors`` blocks each make a batch.
+
+    ``layers``: a new drafter's layer count (default 2); with ``init``, the count to grow the loaded
+    drafter to (:func:`grow_drafter`; default: its own).
+
+    ``blocks``: block lengths B' ≤ B, one drawn per step (uniformly from the list; repeat a length to
+    weight it). The engine drafts blocks of depth + 1 tokens (draft_policy.DraftDepth: mostly 9 of the 16),
+    and the block attention is non-causal, so a drafter trained on 16-token blocks sees a shorter
+    block out of distribution: held out, run 11's chain τ was 1.81 at 16 tokens and 1.72 at 9
+    (``python -m bastion.heldout --block``). Default: the drafter's B alone.
 
     ``add_feature_layers``: target layers the drafter reads beyond the data's (later ones only, e.g.
     the last layer); stored features are carried to them per batch by the target's layers in between
@@ -239,16 +249,53 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
+    """
 
-    ``layers``: a new drafter's layer count (default 2); with ``init``, the count to grow the loaded
-    drafter to (:func:`grow_drafter`; default: its own).
+    steps: int = 4000
+    minutes: float = 0.0
+    rows: int = 8
+    anchors: int = 8
+    lr: float = 6e-4
+    layers: int | None = None
+    block: int = 16
+    blocks: tuple[int, ...] | None = None
+    gamma: float = 5.0
+    ckpt_every: int = 50
+    export: Path | None = None   # also write the drafter folder (fp16) at each checkpoint
+    seed: int = 0                # seed of the batch stream (rows, anchors, block lengths)
+    mask_token_id: int = MASK_TOKEN_SMOLLM2
+    bf16: bool = True            # autocast the drafter's forward to bf16
+    loss_depths: int | None = None  # train depths 1..D only (default B − 1)
+    init: Path | None = None     # warm start from this drafter folder
+    draft_vocab: int | None = None  # draft over the N most frequent tokens of the data only
+    live: bool = False
+    kd: float = 0.0
+    add_feature_layers: tuple[int, ...] | None = None
+    accept: float = 0.0
+    warmup: int = 50
 
-    ``blocks``: block lengths B' ≤ B, one drawn per step (uniformly from the list; repeat a length to
-    weight it). The engine drafts blocks of depth + 1 tokens (engine.DraftDepth: mostly 9 of the 16),
-    and the block attention is non-causal, so a drafter trained on 16-token blocks sees a shorter
-    block out of distribution: held out, run 11's chain τ was 1.81 at 16 tokens and 1.72 at 9
-    (``python -m bastion.heldout --block``). Default: the drafter's B alone."""
-    device = target.device
+    def validate(self) -> None:
+        """Raise ValueError naming the option that is out of range (before anything loads)."""
+        if self.blocks is not None and (min(self.blocks) < 2 or (self.init is None and max(self.blocks) > self.block)):
+            raise ValueError(f"--blocks {','.join(map(str, self.blocks))!r}: block lengths must lie in "
+                             f"[2, --block = {self.block}]")
+        if not 0.0 <= self.kd <= 1.0:
+            raise ValueError(f"--kd {self.kd}: give a weight in [0, 1]")
+        if not 0.0 <= self.accept <= 1.0:
+            raise ValueError(f"--accept {self.accept}: give a weight in [0, 1]")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"--layers {self.layers}: give a positive layer count")
+
+    def lr_at(self, step: int, elapsed_s: float) -> float:
+        """The learning rate of ``step``: linear warm-up, then cosine decay over whichever budget
+        (steps or minutes) runs out first, floored at 5% of ``lr``."""
+        frac = max(step / self.steps, elapsed_s / (60 * self.minutes) if self.minutes else 0.0)
+        scale = min(1.0, (step + 1) / self.warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        return self.lr * max(scale, 0.05)
+
+
+def _data_layers(data: list[Path], live: bool) -> list[int]:
+    """The feature layers the data folders were made with (the same in all of them, or ValueError)."""
     metas = []
     for d in data:
         if not (d / "meta.json").is_file():
@@ -257,90 +304,112 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
     if any(m["layer_ids"] != metas[0]["layer_ids"] for m in metas):
         raise ValueError("the --data folders were made with different feature layers: "
                          + ", ".join(f"{d}: {m['layer_ids']}" for d, m in zip(data, metas)))
-    meta = metas[0]
     if not live:
         no_feats = [str(d) for d, m in zip(data, metas) if not m.get("features", True)]
         if no_feats:
             raise ValueError(f"{', '.join(no_feats)} hold token ids only (data/replay --no-features): "
                              "train with --live-features")
-    records = load_shards(data, ids_only=live)
-    n_shards = count_shards(data)
-    print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
-    for p in target.model.parameters():
-        p.requires_grad_(False)
-    ckpt.mkdir(parents=True, exist_ok=True)
-    state_path = ckpt / "state.pt"
-    if init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
-        drafter = load_drafter(init, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
-        if add_feature_layers:
-            drafter = widen_features(drafter, list(add_feature_layers))
-        drafter = grow_drafter(drafter, target, layers or drafter.cfg.num_hidden_layers)
+    return list(metas[0]["layer_ids"])
+
+
+def _fit_drafter(target: Target, cfg: FitConfig, stored_ids: list[int]) -> DFlashDrafter:
+    """The drafter to train: loaded from ``cfg.init`` (widened to the added feature layers, grown to
+    ``cfg.layers``) or new; checks that it reads the data's layers plus later ones only."""
+    added = list(cfg.add_feature_layers or [])
+    if cfg.init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
+        drafter = load_drafter(cfg.init, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
+        if added:
+            drafter = widen_features(drafter, added)
+        drafter = grow_drafter(drafter, target, cfg.layers or drafter.cfg.num_hidden_layers)
     else:
-        drafter = new_drafter(target, layers or 2, meta["layer_ids"] + list(add_feature_layers or []),
-                              block, mask_token_id)
-    stored_ids, feature_ids = list(meta["layer_ids"]), list(drafter.cfg.target_layer_ids)
+        drafter = new_drafter(target, cfg.layers or 2, stored_ids + added, cfg.block, cfg.mask_token_id)
+    feature_ids = list(drafter.cfg.target_layer_ids)
     extra_ids = feature_ids[len(stored_ids):]
     if feature_ids[:len(stored_ids)] != stored_ids or sorted(set(extra_ids)) != extra_ids \
             or any(i <= stored_ids[-1] for i in extra_ids) or feature_ids[-1] >= target.num_layers:
         raise ValueError(f"the drafter reads target layers {feature_ids}, the data holds {stored_ids}: "
                          "a drafter may only add later layers, ascending, to the data's (--add-feature-layers)")
-    if live:  # the target's hooks give every layer the drafter reads
-        target.set_feature_layers(feature_ids)
-    blocks = list(blocks or [drafter.block_size])
-    bad = [b for b in blocks if not 2 <= b <= drafter.block_size]
+    bad = [b for b in (cfg.blocks or ()) if not 2 <= b <= drafter.block_size]
     if bad:
         raise ValueError(f"block lengths {bad} outside [2, {drafter.block_size}] (the drafter's block size)")
-    drafter.to(device)  # parameters and buffers, the draft vocabulary included
+    return drafter
+
+
+def _fit_vocab(drafter: DFlashDrafter, records: list[dict], size: int, vocab_size: int, stops: set[int]) -> None:
+    """Set the drafter's draft vocabulary to the ``size`` most frequent tokens of ``records`` (it only
+    selects rows of the frozen LM head, so it can be refitted as the data grows)."""
+    drafter.set_draft_vocab(build_draft_vocab(records, size, vocab_size, stops))
+    vocab_cpu = drafter.draft_vocab.cpu()
+    covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), vocab_cpu).sum()) for r in records)
+    total = sum(len(r["ids"]) - r["prompt_len"] for r in records)
+    print(f"\ndraft vocabulary: {size} ids cover {covered / max(total, 1):.2%} of response tokens", file=sys.stderr)
+
+
+def _resume(state_path: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer, rng: random.Random,
+            hidden_size: int) -> tuple[int, list[dict]]:
+    """Load a checkpoint into drafter, optimiser and batch stream; returns (step, log). A checkpoint of
+    another shape (layers, feature layers) is refused with the option to resume it with."""
+    st = torch.load(state_path, map_location="cpu", weights_only=False)
+    saved = len({k.split(".")[1] for k in st["drafter"] if k.startswith("layers.")})
+    if saved != drafter.cfg.num_hidden_layers:
+        raise ValueError(f"{state_path} holds a {saved}-layer drafter, this run builds "
+                         f"{drafter.cfg.num_hidden_layers}: resume with the --layers it was started with")
+    if st["drafter"]["fc.weight"].shape != drafter.fc.weight.shape:
+        raise ValueError(f"{state_path} holds a drafter reading {st['drafter']['fc.weight'].shape[1] // hidden_size} "
+                         f"target layers, this run builds one reading {list(drafter.cfg.target_layer_ids)}: "
+                         "resume with the --add-feature-layers it was started with")
+    drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
+    drafter.load_state_dict(st["drafter"])
+    opt.load_state_dict(st["opt"])
+    rng.setstate(st["rng"])
+    print(f"resumed from step {st['step']}", file=sys.stderr)
+    return st["step"], st["log"]
+
+
+def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
+    """Train (or resume from ``ckpt``) a drafter on the data folders; runs on the target's device.
+
+    Each step: a batch of random anchor blocks (:func:`make_batch`), the loss of :func:`train_step`,
+    AdamW with the gradient norm clipped at 1. Every ``cfg.ckpt_every`` steps, and at the end, an
+    atomic checkpoint (drafter, optimiser, batch stream, log) and the drafter folder if exported; a
+    data job still writing shards is picked up at those points."""
+    cfg.validate()
+    stored_ids = _data_layers(data, cfg.live)
+    records, n_shards = load_shards(data, ids_only=cfg.live), count_shards(data)
+    print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    state_path = ckpt / "state.pt"
+    drafter = _fit_drafter(target, cfg, stored_ids)
+    feature_ids = list(drafter.cfg.target_layer_ids)
+    if cfg.live:  # the target's hooks give every layer the drafter reads
+        target.set_feature_layers(feature_ids)
+    blocks = list(cfg.blocks or [drafter.block_size])
+    drafter.to(target.device)  # parameters and buffers, the draft vocabulary included
     from .engine import stop_token_ids
     stops = stop_token_ids(target.tokenizer, target.model.generation_config)
-
-    def fit_vocab(size: int) -> None:
-        # the vocabulary only selects rows of the (frozen) LM head: it can be refitted as data grows
-        drafter.set_draft_vocab(build_draft_vocab(records, size, target.vocab_size, stops))
-        vocab_cpu = drafter.draft_vocab.cpu()
-        covered = sum(int(torch.isin(r["ids"][r["prompt_len"]:].long(), vocab_cpu).sum()) for r in records)
-        total = sum(len(r["ids"]) - r["prompt_len"] for r in records)
-        print(f"\ndraft vocabulary: {size} ids cover {covered / max(total, 1):.2%} of response tokens", file=sys.stderr)
-
-    if draft_vocab and not state_path.exists():
-        fit_vocab(draft_vocab)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
+    if cfg.draft_vocab and not state_path.exists():
+        _fit_vocab(drafter, records, cfg.draft_vocab, target.vocab_size, stops)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
-    step, log, rng = 0, [], random.Random(seed)
+    step, log, rng = 0, [], random.Random(cfg.seed)
     if state_path.exists():
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
-        saved = len({k.split(".")[1] for k in st["drafter"] if k.startswith("layers.")})
-        if saved != drafter.cfg.num_hidden_layers:
-            raise ValueError(f"{state_path} holds a {saved}-layer drafter, this run builds "
-                             f"{drafter.cfg.num_hidden_layers}: resume with the --layers it was started with")
-        if st["drafter"]["fc.weight"].shape != drafter.fc.weight.shape:
-            raise ValueError(f"{state_path} holds a drafter reading {st['drafter']['fc.weight'].shape[1] // target.hidden_size} "
-                             f"target layers, this run builds one reading {feature_ids}: resume with the "
-                             "--add-feature-layers it was started with")
-        drafter.set_draft_vocab(st["drafter"].get("draft_vocab"))  # the vocabulary it was trained with
-        drafter.load_state_dict(st["drafter"])
-        opt.load_state_dict(st["opt"])
-        step, log = st["step"], st["log"]
-        rng.setstate(st["rng"])
-        print(f"resumed from step {step}", file=sys.stderr)
-    warmup = 50
+        step, log = _resume(state_path, drafter, opt, rng, target.hidden_size)
     spent = log[-1]["time"] if log else 0.0  # wall time of earlier runs, so a resumed schedule continues
     t0 = time.time() - spent
-    deadline = t0 + 60 * minutes if minutes else float("inf")
+    deadline = t0 + 60 * cfg.minutes if cfg.minutes else float("inf")
     drafter.train()
-    while step < steps and time.time() < deadline:
-        # cosine decay over whichever budget (steps or minutes) runs out first
-        frac = max(step / steps, (time.time() - t0) / (60 * minutes) if minutes else 0.0)
-        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    while step < cfg.steps and time.time() < deadline:
         for g in opt.param_groups:
-            g["lr"] = lr * max(scale, 0.05)
+            g["lr"] = cfg.lr_at(step, time.time() - t0)
         # a single full-length block draws nothing: runs without --blocks keep their exact batch stream
         # (and resume bit for bit from checkpoints written before the option existed)
         b = drafter.block_size if blocks == [drafter.block_size] else rng.choice(blocks)
-        batch = make_batch(records, rows, anchors, b, mask_token_id, rng).to(device)
-        if not live and feature_ids != stored_ids:
+        batch = make_batch(records, cfg.rows, cfg.anchors, b, cfg.mask_token_id, rng).to(target.device)
+        if not cfg.live and feature_ids != stored_ids:
             batch = batch._replace(feats=extend_features(target, batch.feats, stored_ids, feature_ids, batch.valid))
-        loss, acc, run = train_step(drafter, target, batch, gamma, bf16, loss_depths, kd, accept)
+        loss, acc, run = train_step(drafter, target, batch, cfg.gamma, cfg.bf16, cfg.loss_depths, cfg.kd, cfg.accept)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -348,28 +417,28 @@ def fit(target: Target, data: list[Path], ckpt: Path, steps: int, minutes: float
         step += 1
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
-                   | ({"kd": kd} if kd else {}) | ({"accept": accept} if accept else {}))  # another scale: say so
-        progress(step, steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
-        if step % ckpt_every == 0 and count_shards(data) > n_shards:
+                   | ({"kd": cfg.kd} if cfg.kd else {}) | ({"accept": cfg.accept} if cfg.accept else {}))  # another scale: say so
+        progress(step, cfg.steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
+        if step % cfg.ckpt_every == 0 and count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
             # (the old list is dropped first: holding both doubles the peak memory)
             records = None
-            records = load_shards(data, ids_only=live)
-            n_shards = count_shards(data)
+            records, n_shards = load_shards(data, ids_only=cfg.live), count_shards(data)
             print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
-            if draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
-                fit_vocab(draft_vocab)
-        if step % ckpt_every == 0 or step >= steps or time.time() >= deadline:
+            if cfg.draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
+                _fit_vocab(drafter, records, cfg.draft_vocab, target.vocab_size, stops)
+        if step % cfg.ckpt_every == 0 or step >= cfg.steps or time.time() >= deadline:
             atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                           "rng": rng.getstate()}, state_path)
             (ckpt / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in log))
-            if export:
-                save_drafter(drafter.eval(), export, dtype=torch.float16)
+            if cfg.export:
+                save_drafter(drafter.eval(), cfg.export, dtype=torch.float16)
                 drafter.train()
     print(file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: data, fit, replay, average and plot."""
     ap = argparse.ArgumentParser(prog="python -m bastion.train", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data", help="generate the target's continuations and features")
@@ -440,27 +509,38 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
+    return ap
+
+
+def _fit_config(a: argparse.Namespace) -> FitConfig:
+    """The ``fit`` command's options as a checked :class:`FitConfig` (ValueError names a bad one)."""
+    def ints(text: str | None, flag: str, what: str) -> tuple[int, ...] | None:
+        if not text:
+            return None
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: give comma-separated {what}") from None
+
+    cfg = FitConfig(steps=a.steps, minutes=a.minutes, rows=a.rows, anchors=a.anchors, lr=a.lr, layers=a.layers,
+                    block=a.block, blocks=ints(a.blocks, "--blocks", "integers"), gamma=a.gamma,
+                    ckpt_every=a.ckpt_every, export=a.export, seed=a.seed, bf16=not a.no_bf16,
+                    loss_depths=a.loss_depths, init=a.init, draft_vocab=a.draft_vocab or None,
+                    live=a.live_features, kd=a.kd, accept=a.accept,
+                    add_feature_layers=ints(a.add_feature_layers, "--add-feature-layers", "layer ids"))
+    cfg.validate()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
-    blocks = None
-    if a.cmd == "fit" and a.blocks:  # checked before anything loads
+    fit_cfg = None
+    if a.cmd == "fit":  # checked before anything loads
         try:
-            blocks = [int(x) for x in a.blocks.split(",")]
-        except ValueError:
-            ap.error(f"--blocks {a.blocks!r}: give comma-separated integers")
-        if min(blocks) < 2 or (a.init is None and max(blocks) > a.block):
-            ap.error(f"--blocks {a.blocks!r}: block lengths must lie in [2, --block = {a.block}]")
-    add_layers = None
-    if a.cmd == "fit" and a.add_feature_layers:
-        try:
-            add_layers = [int(x) for x in a.add_feature_layers.split(",")]
-        except ValueError:
-            ap.error(f"--add-feature-layers {a.add_feature_layers!r}: give comma-separated layer ids")
-    if a.cmd == "fit" and not 0.0 <= a.kd <= 1.0:
-        ap.error(f"--kd {a.kd}: give a weight in [0, 1]")
-    if a.cmd == "fit" and not 0.0 <= a.accept <= 1.0:
-        ap.error(f"--accept {a.accept}: give a weight in [0, 1]")
-    if a.cmd == "fit" and a.layers is not None and a.layers < 1:
-        ap.error(f"--layers {a.layers}: give a positive layer count")
+            fit_cfg = _fit_config(a)
+        except ValueError as exc:
+            ap.error(str(exc))
     if a.cmd == "plot":
         log, starts = read_logs(a.ckpt)
         plot_log(log, a.out, starts=starts)
@@ -509,10 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:
-        fit(target, a.data, a.ckpt, a.steps, a.minutes, a.rows, a.anchors, a.lr, a.layers, a.block, a.gamma,
-            a.ckpt_every, a.export, seed=a.seed, bf16=not a.no_bf16, loss_depths=a.loss_depths, init=a.init,
-            draft_vocab=a.draft_vocab or None, live=a.live_features, blocks=blocks, kd=a.kd, accept=a.accept,
-            add_feature_layers=add_layers)
+        fit(target, a.data, a.ckpt, fit_cfg)
     return 0
 
 
