@@ -107,7 +107,7 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
 
     ``block`` B' ≤ B: draft blocks of B' tokens, [token_a, MASK × (B'−1)] — what a decoding round with
     an adaptive draft depth D = B'−1 runs (draft_policy.DraftDepth); default the drafter's own B."""
-    from .train import block_mask  # the training-time packing of several blocks into one row
+    from .distill import block_mask  # the training-time packing of several blocks into one row
 
     ids, P, B = rec["ids"], rec["prompt_len"], block or drafter.block_size
     if not 2 <= B <= drafter.block_size:

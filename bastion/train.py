@@ -21,7 +21,8 @@ a rerun resumes from the last one.
 ``average``: the element-wise mean of warm-started runs of one drafter (``average_drafters``).
 
 The data side lives in ``traindata.py``, the making of drafters (new, grown, widened, averaged, the
-draft vocabulary) in ``drafter_ops.py``; this module holds the batches, the loss, ``fit`` and the CLI.
+draft vocabulary) in ``drafter_ops.py``, the batches and the loss in ``distill.py``; this module holds
+``fit`` and the command line.
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .corpus import CORPORA
 from .drafter import DFlashDrafter, load_drafter, save_drafter, spread_layer_ids
+from .distill import make_batch, train_step
 from .drafter_ops import average_drafters, build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
 from .loading import EMBEDDED, load_target
 from .target import Target
@@ -48,176 +48,6 @@ from .traindata import atomic_save, count_shards, load_shards, make_data, make_r
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
 MASK_TOKEN_SMOLLM2 = 16  # <empty_output>: a special token that never appears in chat text
-
-
-class Batch(NamedTuple):
-    """One training batch of r rows, A anchors each, blocks of B tokens, sequences padded to L."""
-
-    feats: torch.Tensor | None  # [r, L, k·h] context features (None: computed live from ids)
-    valid: torch.Tensor         # [r, L] bool: real tokens
-    block_ids: torch.Tensor     # [r, A·B] anchor token then MASK × (B−1), per block
-    block_pos: torch.Tensor     # [r, A·B] positions a..a+B−1
-    labels: torch.Tensor        # [r, A·(B−1)] next tokens x_{a+1..a+B−1} (−100 = ignore)
-    anchor_pos: torch.Tensor    # [r, A]
-    ids: torch.Tensor           # [r, L] token ids (0 at padding)
-
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
-
-
-def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random) -> Batch:
-    """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
-    Records without "feats" give ``feats=None`` (features come from the target, ``live_features``)."""
-    picks = [records[rng.randrange(len(records))] for _ in range(rows)]
-    L = max(len(r["ids"]) for r in picks)
-    with_feats = all("feats" in r for r in picks)
-    feats = torch.zeros(rows, L, picks[0]["feats"].shape[1]) if with_feats else None
-    ids = torch.zeros(rows, L, dtype=torch.long)
-    valid = torch.zeros(rows, L, dtype=torch.bool)
-    # labels read from ids shifted by one; past the end of a sequence they are −100
-    lab_src = torch.full((rows, L + block), -100, dtype=torch.long)
-    anchor_pos = torch.zeros(rows, anchors, dtype=torch.long)
-    for i, r in enumerate(picks):
-        n = len(r["ids"])
-        ids[i, :n] = r["ids"].long()
-        lab_src[i, :n] = ids[i, :n]
-        valid[i, :n] = True
-        if feats is not None:
-            feats[i, :n] = r["feats"].float()
-        lo, hi = max(r["prompt_len"] - 1, 0), n - 2
-        for j in range(anchors):
-            anchor_pos[i, j] = rng.randint(lo, hi) if hi >= lo else lo
-    offsets = torch.arange(block)
-    block_pos = (anchor_pos[:, :, None] + offsets).reshape(rows, anchors * block)
-    block_ids = torch.full((rows, anchors, block), mask_id, dtype=torch.long)
-    block_ids[:, :, 0] = ids.gather(1, anchor_pos)
-    labels = lab_src.gather(1, (anchor_pos[:, :, None] + 1 + offsets[:block - 1]).reshape(rows, -1))
-    return Batch(feats, valid, block_ids.reshape(rows, anchors * block), block_pos, labels, anchor_pos, ids)
-
-
-def live_features(target: Target, batch: Batch) -> Batch:
-    """The batch with ``feats`` computed by the target from its ids (on the target's device)."""
-    feats = target.batch_features(batch.ids, batch.valid.long())
-    return batch._replace(feats=feats.float().clone())  # clone: a normal tensor, not an inference one
-
-
-def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype) -> torch.Tensor:
-    """Additive mask [r, 1, A·B, L + A·B]: block j sees context < a_j and its own B tokens."""
-    r, L = valid.shape
-    A = anchor_pos.shape[1]
-    cols = torch.arange(L, device=valid.device)
-    ctx_ok = (cols[None, None, :] < anchor_pos[:, :, None].to(valid.device)) & valid[:, None, :]   # [r, A, L]
-    ctx_ok = ctx_ok.repeat_interleave(block, dim=1)                                        # [r, A·B, L]
-    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool, device=valid.device)] * A)
-    ok = torch.cat([ctx_ok, own[None].expand(r, -1, -1)], dim=2)
-    mask = torch.zeros(ok.shape, dtype=dtype, device=valid.device).masked_fill(~ok, torch.finfo(dtype).min)
-    return mask[:, None]
-
-
-def train_step(drafter: DFlashDrafter, target: Target, batch: Batch, gamma: float, bf16: bool = False,
-               loss_depths: int | None = None, kd: float = 0.0, accept: float = 0.0):
-    """Weighted block cross-entropy of one batch; returns (loss, per-depth top-1 accuracy, mean
-    accepted chain length under teacher forcing). ``bf16`` runs the matrix products under autocast
-    on the batch's device (about 2× faster on CPUs with AVX512-BF16, far more on a GPU); weights and
-    the loss stay in fp32. A batch without features gets them from the target first. ``kd`` α > 0
-    mixes in the target's own distributions (see :func:`_train_step`)."""
-    with torch.autocast(batch.valid.device.type, dtype=torch.bfloat16, enabled=bf16):
-        if batch.feats is None:
-            batch = live_features(target, batch)
-        return _train_step(drafter, target, batch, gamma, loss_depths, kd, accept)
-
-
-def target_distributions(drafter: DFlashDrafter, target: Target, batch, depths: int) -> torch.Tensor:
-    """The target's next-token log-probabilities over the draft vocabulary (all of it without one)
-    for every label of the batch's blocks: float32 [r, A·D, V_d], depth k's label x_{a+k} drawn from
-    the target's distribution at position a + k − 1.
-
-    The features hold the outputs of the drafter's last feature layer (the last h columns), so only
-    the layers after it run (:meth:`Target.finish_from`): on the embedded target 2 of 30 layers.
-    """
-    feats, valid, _, _, _, anchor_pos, _ = batch
-    h = target.hidden_size
-    # float32 even under the step's bf16 autocast: in bf16 the argmax of these distributions missed
-    # 3% of the greedy labels in the draft vocabulary, in float32 none (self13 shards, 1,000 labels)
-    with torch.no_grad(), torch.autocast(valid.device.type, enabled=False):
-        final = target.finish_from(feats[..., -h:].float(), drafter.cfg.target_layer_ids[-1], valid)
-        r, A = anchor_pos.shape
-        at = (anchor_pos[:, :, None] + torch.arange(depths, device=valid.device)).reshape(r, A * depths)
-        hid = final.gather(1, at.clamp(max=final.shape[1] - 1)[:, :, None].expand(-1, -1, final.shape[-1]))
-        vocab = drafter.draft_vocab
-        logits = target.lm_head(hid) if vocab is None else target.lm_head(hid, vocab)
-        return torch.log_softmax(logits.float(), dim=-1)
-
-
-def acceptance_weights(label_logq: torch.Tensor) -> torch.Tensor:
-    """Per-label weights [..., D] whose weighted cross-entropy has the gradient of the expected
-    accepted chain length (the weights are constants: computed without gradient).
-
-    With P_d = Π_{k≤d} q_k(y_k), the probability that a chain sampled from the drafter's marginals
-    matches the labels through depth d, E[L] = Σ_d P_d and ∂E[L]/∂log q_j(y_j) = Σ_{d≥j} P_d =: w_j.
-    So Σ_j w_j · CE_j with w held fixed has the gradient of −E[L]: a label counts as much as the chain
-    that rides on it — depth j of a block whose depth 1 is hopeless counts for little, and a depth the
-    drafter almost has counts most. ``label_logq`` [..., D]: log q_k(y_k), −inf where a label cannot be
-    hit (outside the draft vocabulary, past the end of the reply: the chain ends there)."""
-    with torch.no_grad():
-        p = torch.exp(torch.cumsum(label_logq.detach().float(), dim=-1))          # P_d
-        return torch.flip(torch.cumsum(torch.flip(p, [-1]), dim=-1), [-1])        # Σ_{d≥j} P_d
-
-
-def _train_step(drafter: DFlashDrafter, target: Target, batch, gamma: float, loss_depths: int | None,
-                kd: float = 0.0, accept: float = 0.0):
-    """``loss_depths`` D ≤ B−1 trains only depths 1..D: the LM head over V dominates the cost, and
-    deep depths carry little weight in the acceptance length, so this buys more anchors per second.
-
-    Loss per label: (1 − α)·CE(greedy label) + α·CE(p_target), α = ``kd``, where the second term is
-    −Σ_v p(v) log q(v) with p the target's own next-token distribution at that position (over the
-    draft vocabulary, renormalised). The greedy label says only which token won; p also says by how
-    much and what came second — more signal per stored token when data, not steps, is the limit.
-
-    ``accept`` β mixes the greedy-label term's fixed depth weights exp(−(k−1)/γ) with the expected
-    acceptance length's (:func:`acceptance_weights`): (1 − β)·CE_decay + β·CE_accept, each a weighted
-    mean over the batch's labels."""
-    feats, valid, block_ids, block_pos, labels, anchor_pos, _ = batch
-    dev = valid.device
-    B = block_ids.shape[1] // anchor_pos.shape[1]  # the batch's block length (≤ the drafter's, see fit)
-    D = min(loss_depths or B - 1, B - 1)
-    r, L = valid.shape
-    ctx_pos = torch.arange(L, device=dev)[None].expand(r, -1)
-    ctx_kv = drafter.context_kv(feats, ctx_pos)
-    x = target.embed(block_ids).detach()
-    hidden = drafter.blocks(x, block_pos, ctx_kv, block_mask(valid, anchor_pos, B, x.dtype))
-    A = anchor_pos.shape[1]
-    hidden = hidden.view(r, A, B, -1)[:, :, 1:1 + D].reshape(r, A * D, -1)
-    lab = labels.view(r, A, B - 1)[:, :, :D]
-    ok = lab != -100
-    vocab = drafter.draft_vocab
-    if vocab is None:
-        logits = target.lm_head(hidden).float()
-        col = lab
-    else:  # logits over the draft vocabulary; labels outside it cannot be hit (no loss, counted as misses)
-        logits = target.lm_head(hidden, vocab).float()
-        inv = torch.full((target.vocab_size,), -100, dtype=torch.long, device=dev)
-        inv[vocab] = torch.arange(len(vocab), device=dev)
-        col = torch.where(ok, inv[lab.clamp(min=0)], -100)
-    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), col.reshape(-1), reduction="none").view(r, A, D)
-    trained = col != -100
-    w = torch.exp(-torch.arange(D, dtype=torch.float32, device=dev) / gamma)
-    loss = (ce * trained * w).sum() / (trained * w).sum().clamp(min=1e-9)
-    if accept > 0:
-        # ce = −log q(y) where trained; a label that cannot be hit ends the chain
-        wa = acceptance_weights(torch.where(trained, -ce, float("-inf")))
-        loss = (1.0 - accept) * loss + accept * (ce * trained * wa).sum() / (trained * wa).sum().clamp(min=1e-9)
-    if kd > 0:
-        logp = target_distributions(drafter, target, batch, D).view(r, A, D, -1)
-        soft = -(logp.exp() * torch.log_softmax(logits.view(r, A, D, -1), dim=-1)).sum(-1)
-        soft_loss = (soft * ok * w).sum() / (ok * w).sum().clamp(min=1e-9)
-        loss = (1.0 - kd) * loss + kd * soft_loss
-    with torch.no_grad():
-        hit = (logits.argmax(-1).view(r, A, D) == col) & trained
-        acc = (hit.sum((0, 1)) / ok.sum((0, 1)).clamp(min=1)).tolist()
-        # expected accepted length of the chain: first miss ends the block
-        run = torch.cumprod(hit.float(), dim=2).sum(2).mean().item()
-    return loss, acc, run
 
 
 @dataclass(frozen=True)
@@ -241,11 +71,11 @@ class FitConfig:
     the last layer); stored features are carried to them per batch by the target's layers in between
     (:func:`extend_features`). With ``init`` the loaded drafter is widened (:func:`widen_features`).
 
-    ``kd``: weight α of the target's own distributions in the loss (:func:`_train_step`); they are
+    ``kd``: weight α of the target's own distributions in the loss (``distill._train_step``); they are
     computed per batch from the stored features by the target's layers after the last feature layer.
     (On the embedded target it tied plain training held out: the model card's runs 16–18.)
 
-    ``accept``: weight β of the expected-acceptance-length weighting of the labels (:func:`_train_step`).
+    ``accept``: weight β of the expected-acceptance-length weighting of the labels (``distill._train_step``).
 
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
@@ -369,7 +199,7 @@ def _resume(state_path: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer
 def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     """Train (or resume from ``ckpt``) a drafter on the data folders; runs on the target's device.
 
-    Each step: a batch of random anchor blocks (:func:`make_batch`), the loss of :func:`train_step`,
+    Each step: a batch of random anchor blocks (``distill.make_batch``), the loss of ``distill.train_step``,
     AdamW with the gradient norm clipped at 1. Every ``cfg.ckpt_every`` steps, and at the end, an
     atomic checkpoint (drafter, optimiser, batch stream, log) and the drafter folder if exported; a
     data job still writing shards is picked up at those points."""

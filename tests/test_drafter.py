@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from bastion.drafter import load_drafter, save_drafter
 from bastion.engine import Engine, GenerationConfig
-from bastion.train import make_batch, new_drafter, train_step
+from bastion.distill import make_batch, train_step
+from bastion.drafter_ops import new_drafter
 from tiny import tiny_drafter, tiny_target
 
 
@@ -111,7 +112,7 @@ def test_short_training_run_lowers_loss(draft_vocab):
         p.requires_grad_(False)
     drafter = new_drafter(target, layers=1, layer_ids=[1, 2], block_size=4, mask_token_id=49)
     if draft_vocab:  # the 40 most frequent ids: labels outside it give no loss and count as misses
-        from bastion.train import build_draft_vocab
+        from bastion.drafter_ops import build_draft_vocab
         drafter.set_draft_vocab(build_draft_vocab(records, 40, target.vocab_size))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
@@ -129,7 +130,7 @@ def test_grow_drafter_adds_layers_that_change_nothing_until_trained():
     """fit --init D --layers N: the grown drafter computes exactly what D computed (the new layers'
     o_proj and down_proj start at zero), keeps D's weights and draft vocabulary, and its new layers
     receive gradients; it is never shrunk."""
-    from bastion.train import grow_drafter
+    from bastion.drafter_ops import grow_drafter
 
     target = tiny_target("qwen3", dtype=torch.float32)
     d = new_drafter(target, layers=1, layer_ids=[1, 2], block_size=4, mask_token_id=49)
@@ -216,7 +217,7 @@ def test_bad_draft_vocabulary_is_refused(tmp_path, bad, msg):
 
 
 def test_build_draft_vocab_prefers_forced_then_frequent_then_low_ids():
-    from bastion.train import build_draft_vocab
+    from bastion.drafter_ops import build_draft_vocab
     recs = [{"ids": torch.tensor([50, 50, 50, 60, 60, 70], dtype=torch.int32), "prompt_len": 1}]
     v = build_draft_vocab(recs, 5, 97, always={96})
     assert v.tolist() == sorted([96, 50, 60, 70, 0])
@@ -227,7 +228,7 @@ def test_build_draft_vocab_prefers_forced_then_frequent_then_low_ids():
 def test_live_features_equal_stored_ones_and_batch_layout():
     """A batch built from ids-only records gets the same features from the target as the stored
     ones; blocks, positions and labels follow the anchors."""
-    from bastion.train import live_features
+    from bastion.distill import live_features
 
     torch.manual_seed(0)
     target = tiny_target("llama", vocab=50, dtype=torch.float32, layers=4)

@@ -64,7 +64,8 @@ def test_sampling_on_cuda_is_the_same_for_every_strategy():
 
 
 def test_live_feature_training_runs_on_cuda():
-    from bastion.train import make_batch, new_drafter, train_step
+    from bastion.distill import make_batch, train_step
+    from bastion.drafter_ops import new_drafter
 
     target = cuda_target("llama", vocab=50, layers=4)
     target.set_feature_layers([1, 2])

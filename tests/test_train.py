@@ -371,7 +371,8 @@ def test_replay_restores_feature_shards_from_a_datastore(tmp_path, capsys):
     """train replay: the replies a datastore keeps become training shards again — same ids, the
     prompt split at the assistant header, and the features the data job had computed."""
     from bastion.datastore import main as build_datastore
-    from bastion.train import load_shards, main
+    from bastion.traindata import load_shards
+    from bastion.train import main
 
     data, store, out = tmp_path / "data", tmp_path / "store", tmp_path / "replay"
     common = ["--threads", "1"]
@@ -436,7 +437,7 @@ def _sgd_losses(drafter, loss_fn, steps: int = 25, lr: float = 0.5) -> list[floa
 def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
     """target_distributions gives, for each label of a block, the target's next-token distribution
     at the position before it (its argmax is the greedy label); a --kd step back-propagates it."""
-    from bastion.train import Batch, _train_step, target_distributions
+    from bastion.distill import Batch, _train_step, target_distributions
 
     target = tiny_target("llama", dtype=torch.float64, layers=4)
     drafter = tiny_drafter(target, block_size=4).train()
@@ -469,7 +470,7 @@ def test_kd_targets_are_the_targets_distributions_and_train(tmp_path):
 def test_acceptance_weights_give_the_gradient_of_the_expected_chain_length():
     """Σ_j w_j·(−log q_j) with the weights held fixed has exactly the gradient of −E[L] = −Σ_d Π_{k≤d} q_k;
     a label that cannot be hit (−inf) ends the chain: no weight from it on."""
-    from bastion.train import acceptance_weights
+    from bastion.distill import acceptance_weights
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 2, 6, 11, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -491,7 +492,7 @@ def test_acceptance_weights_give_the_gradient_of_the_expected_chain_length():
 def test_an_accept_step_trains_and_differs_from_the_decay_loss():
     """--accept β puts the labels' weight where the chain rides: the loss of a batch differs from the
     fixed decay's, and steps on it lower it."""
-    from bastion.train import make_batch, _train_step
+    from bastion.distill import make_batch, _train_step
 
     target = tiny_target("llama", dtype=torch.float32, layers=4)  # make_batch stores features in float32
     drafter = tiny_drafter(target, block_size=5).train()
@@ -553,7 +554,7 @@ def test_a_widened_drafter_drafts_as_before_and_reads_the_new_layer():
     the same context keys/values whatever that layer holds; extend_features computes it from the
     stored features as the target's hooks capture it; the engine runs such a drafter losslessly."""
     from bastion.engine import Engine, GenerationConfig
-    from bastion.train import extend_features, widen_features
+    from bastion.drafter_ops import extend_features, widen_features
 
     target = tiny_target("llama", dtype=torch.float64, layers=4)
     drafter = tiny_drafter(target, block_size=4)
@@ -614,7 +615,8 @@ def test_average_of_drafters_is_their_mean_and_refuses_strangers(tmp_path, capsy
     """average_drafters is the element-wise mean (draft vocabulary kept); `train average` writes it as a
     loadable folder; drafters of other shapes or vocabularies, one input, or --out an input are refused."""
     from bastion.drafter import load_drafter, save_drafter
-    from bastion.train import average_drafters, main, widen_features
+    from bastion.drafter_ops import average_drafters, widen_features
+    from bastion.train import main
 
     target = tiny_target("llama", dtype=torch.float32, layers=4)
     a, b = tiny_drafter(target, seed=1), tiny_drafter(target, seed=2)
