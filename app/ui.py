@@ -118,6 +118,9 @@ def _wire(handlers: Handlers, c: dict) -> None:
     gr.api(handlers.generate, api_name="generate", concurrency_id="model", concurrency_limit=1)
 
 
+QUEUE_POLL_S = 0.02  # see calm_queue
+
+
 def create_app(runtime: Runtime) -> gr.Blocks:
     """The whole page around one shared Runtime; every session keeps its own run in gr.State."""
     handlers = Handlers(runtime)
@@ -128,7 +131,27 @@ def create_app(runtime: Runtime) -> gr.Blocks:
         _wire(handlers, c)
         demo.load(handlers.on_load, None, [c["banner"], c["strategy"]], api_visibility="private")
     demo.queue(default_concurrency_limit=4, max_size=64)
+    calm_queue(demo)
     return demo
+
+
+def calm_queue(demo: gr.Blocks, poll_s: float = QUEUE_POLL_S) -> None:
+    """Let Gradio's queue look for new events every ``poll_s`` instead of every millisecond.
+
+    Gradio (6.x, not on Windows) polls its event queue every 1 ms and its progress updates every
+    10 ms, idle or not: ~1,100 wake-ups a second of the server's event-loop thread. On a 2-core CPU
+    each wake-up preempts one of the engine's two OpenMP threads, and every parallel region of the
+    forward then waits at its barrier for it. Measured on the 2-core Xeon (the page's run event three
+    times, 64 tokens, AR baseline on, the two settings alternated twice; bench/NOTES.md): AR
+    55.6–62.5 tok/s polling every 1 ms against 64.2–69.8 every 20 ms — the in-process speed (67.8–70.2
+    that hour) — and Bastion 151–167 against 168–182 on the code prompt. A new event then waits at most
+    ``poll_s`` to start. The attributes are Gradio's own (no public setting exists); a Gradio without
+    them is left as it is.
+    """
+    queue = getattr(demo, "_queue", None)
+    for name, floor in (("sleep_when_free", poll_s), ("progress_update_sleep_when_free", poll_s)):
+        if queue is not None and isinstance(getattr(queue, name, None), (int, float)):
+            setattr(queue, name, max(getattr(queue, name), floor))
 
 
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, **kwargs):

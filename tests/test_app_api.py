@@ -16,7 +16,7 @@ from app.engine_glue import THIS_MACHINE, Runtime, replan  # noqa: E402
 from app.handlers import (VIEW_FIELDS, Handlers, execute, full_view, parse_settings, round_view,  # noqa: E402
                           start_run, threads_note)
 from app.state import export_run, load_run, run_summary  # noqa: E402
-from app.ui import create_app, launch  # noqa: E402
+from app.ui import QUEUE_POLL_S, calm_queue, create_app, launch  # noqa: E402
 from bastion.engine import Engine, GenerationConfig  # noqa: E402
 from bastion.latency import RowPadding  # noqa: E402
 from tiny import tiny_drafter, tiny_target  # noqa: E402
@@ -58,6 +58,16 @@ def server():
     _, url, _ = launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
     yield url
     demo.close()
+
+
+def test_the_queue_does_not_poll_every_millisecond():
+    """Gradio's queue polls every 1 ms by default; on two cores those wake-ups stall the engine's
+    OpenMP threads (AR ~12% slower served than in-process), so the app polls every QUEUE_POLL_S."""
+    demo = create_app(tiny_runtime())
+    queue = demo._queue
+    assert QUEUE_POLL_S >= 0.01
+    assert queue.sleep_when_free >= QUEUE_POLL_S and queue.progress_update_sleep_when_free >= QUEUE_POLL_S
+    calm_queue(object())  # a Gradio without these attributes is left alone
 
 
 def settings(runtime, prompt="hello", strategy="bastion", **kw):
