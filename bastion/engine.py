@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from .calibration import AcceptanceCalibrator
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, DrafterCache
 from .datastore import NgramPrior
 from .draft_policy import DraftDepth, DraftGate
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
@@ -155,7 +155,7 @@ class _Request:
     root: int
     before_root: int | None
     committed: int                  # tokens committed so far, prompt included (the root among them)
-    dcache: object | None           # the drafter's context cache (None: AR, or no drafter)
+    dcache: DrafterCache | None     # the drafter's context cache (None: AR, or no drafter)
     vocab: torch.Tensor | None      # the draft vocabulary, widened by this request's tokens
     in_vocab: set[int]
     calib: AcceptanceCalibrator
