@@ -149,9 +149,10 @@ def calm_queue(demo: gr.Blocks, poll_s: float = QUEUE_POLL_S) -> None:
     them is left as it is.
     """
     queue = getattr(demo, "_queue", None)
-    for name, floor in (("sleep_when_free", poll_s), ("progress_update_sleep_when_free", poll_s)):
-        if queue is not None and isinstance(getattr(queue, name, None), (int, float)):
-            setattr(queue, name, max(getattr(queue, name), floor))
+    for name in ("sleep_when_free", "progress_update_sleep_when_free"):
+        value = getattr(queue, name, None)
+        if isinstance(value, (int, float)):
+            setattr(queue, name, max(value, poll_s))
 
 
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, **kwargs):
