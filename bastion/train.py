@@ -144,15 +144,20 @@ def _data_layers(data: list[Path], live: bool) -> list[int]:
 
 def _fit_drafter(target: Target, cfg: FitConfig, stored_ids: list[int]) -> DFlashDrafter:
     """The drafter to train: loaded from ``cfg.init`` (widened to the added feature layers, grown to
-    ``cfg.layers``) or new; checks that it reads the data's layers plus later ones only."""
+    ``cfg.layers``) or new; checks that it reads the data's layers plus later ones only. Weights it
+    initialises (a new drafter, grown layers) are drawn from ``cfg.seed``, so one seed gives one
+    start (torch's global generator is left as it was)."""
     added = list(cfg.add_feature_layers or [])
-    if cfg.init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
-        drafter = load_drafter(cfg.init, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
-        if added:
-            drafter = widen_features(drafter, added)
-        drafter = grow_drafter(drafter, target, cfg.layers or drafter.cfg.num_hidden_layers)
-    else:
-        drafter = new_drafter(target, cfg.layers or 2, stored_ids + added, cfg.block, cfg.mask_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if cfg.init is not None:  # warm start from a saved drafter folder (e.g. the shipped weights)
+            drafter = load_drafter(cfg.init, target.hidden_size, target.vocab_size, target.num_layers,
+                                   dtype=torch.float32)
+            if added:
+                drafter = widen_features(drafter, added)
+            drafter = grow_drafter(drafter, target, cfg.layers or drafter.cfg.num_hidden_layers)
+        else:
+            drafter = new_drafter(target, cfg.layers or 2, stored_ids + added, cfg.block, cfg.mask_token_id)
     feature_ids = list(drafter.cfg.target_layer_ids)
     extra_ids = feature_ids[len(stored_ids):]
     if feature_ids[:len(stored_ids)] != stored_ids or sorted(set(extra_ids)) != extra_ids \

@@ -660,3 +660,21 @@ def test_average_of_drafters_is_their_mean_and_refuses_strangers(tmp_path, capsy
     got = load_drafter(tmp_path / "mean", 576, 49152, 30)
     assert torch.allclose(got.fc.weight, one.fc.weight + 0.25, atol=2e-3)  # fp16 storage
     assert torch.equal(got.draft_vocab, one.draft_vocab)
+
+
+def test_a_new_drafter_starts_from_its_seed_and_leaves_the_global_generator_alone():
+    from bastion.train import FitConfig, _fit_drafter
+
+    target = tiny_target(dtype=torch.float32)
+
+    def start(seed):
+        drafter = _fit_drafter(target, FitConfig(seed=seed, layers=1, block=4, mask_token_id=5), [1, 2])
+        return {k: v.clone() for k, v in drafter.state_dict().items()}
+
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    a, b, c = start(3), start(3), start(4)
+    assert torch.equal(torch.rand(3), before)  # the caller's random stream is untouched
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)  # another seed, another start
