@@ -443,6 +443,7 @@ class Engine:
             paused += time.perf_counter() - t_yield
             if finish:
                 return
+            # the round's tokens join the context only now: the Step's context_len is the count before them
             req.committed += len(new)
             req.before_root = new[-2] if len(new) > 1 else req.root
             req.root = acc.bonus
