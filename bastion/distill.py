@@ -37,7 +37,10 @@ class Batch(NamedTuple):
 
 def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random) -> Batch:
     """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
-    Records without "feats" give ``feats=None`` (features come from the target, ``live_features``)."""
+    Records without "feats" give ``feats=None`` (features come from the target, ``live_features``).
+    Records with "agree" (replies written by another dtype's copy of the target, ``traindata``): the
+    label at depth k of anchor a is kept only if tokens a+1..a+k all agree with the target's greedy
+    choice — past a disagreement the text is no longer the continuation the drafter must predict."""
     picks = [records[rng.randrange(len(records))] for _ in range(rows)]
     L = max(len(r["ids"]) for r in picks)
     with_feats = all("feats" in r for r in picks)
@@ -47,11 +50,17 @@ def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id
     # labels read from ids shifted by one; past the end of a sequence they are −100
     lab_src = torch.full((rows, L + block), -100, dtype=torch.long)
     anchor_pos = torch.zeros(rows, anchors, dtype=torch.long)
+    # disagreements counted through each position (constant past the end): a label is lost where the
+    # count at its position exceeds the count at its anchor
+    lost = torch.zeros(rows, L + block, dtype=torch.long) if any("agree" in r for r in picks) else None
     for i, r in enumerate(picks):
         n = len(r["ids"])
         ids[i, :n] = r["ids"].long()
         lab_src[i, :n] = ids[i, :n]
         valid[i, :n] = True
+        if lost is not None and "agree" in r:
+            lost[i, :n] = torch.cumsum(~r["agree"], 0)
+            lost[i, n:] = lost[i, n - 1]
         if feats is not None:
             feats[i, :n] = r["feats"].float()
         lo, hi = max(r["prompt_len"] - 1, 0), n - 2
@@ -61,7 +70,11 @@ def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id
     block_pos = (anchor_pos[:, :, None] + offsets).reshape(rows, anchors * block)
     block_ids = torch.full((rows, anchors, block), mask_id, dtype=torch.long)
     block_ids[:, :, 0] = ids.gather(1, anchor_pos)
-    labels = lab_src.gather(1, (anchor_pos[:, :, None] + 1 + offsets[:block - 1]).reshape(rows, -1))
+    at = (anchor_pos[:, :, None] + 1 + offsets[:block - 1]).reshape(rows, -1)
+    labels = lab_src.gather(1, at)
+    if lost is not None:
+        since = lost.gather(1, at) - lost.gather(1, anchor_pos).repeat_interleave(block - 1, dim=1)
+        labels = labels.masked_fill(since > 0, -100)
     return Batch(feats, valid, block_ids.reshape(rows, anchors * block), block_pos, labels, anchor_pos, ids)
 
 

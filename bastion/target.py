@@ -8,6 +8,7 @@ layers are kept, never the whole stack.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,13 +366,29 @@ class Target:
         return TargetOutput(logits[0], self._collect_features())
 
     @torch.inference_mode()
-    def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Feature-layer hidden states [b, L, k·h] of padded sequences ids [b, L] (no cache; training data)."""
+    def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor,
+                       greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Feature-layer hidden states [b, L, k·h] of padded sequences ids [b, L] (no cache; training data).
+        ``greedy``: also the target's greedy next token after every position, int64 [b, L] (the LM
+        head runs one sequence at a time: [L, V] logits, not [b, L, V])."""
         with torch.inference_mode():
-            self.model.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False)
             feats = torch.cat([self._captured[i] for i in self._feature_layers], dim=-1)
+            if greedy:
+                last = out.last_hidden_state
+                nxt = torch.stack([self.model.get_output_embeddings()(last[i]).argmax(-1) for i in range(len(last))])
         self._captured.clear()
-        return feats
+        return (feats, nxt) if greedy else feats
+
+    def plain_copy(self, dtype: torch.dtype) -> PreTrainedModel:
+        """A plain transformers copy of the model in ``dtype`` (SDPA attention, torch's own products;
+        none of this class's kernels or hooks): e.g. a bf16 model for batched generation of training
+        data, where bf16's products run several times faster than float32's on CPUs with AMX."""
+        cfg = copy.deepcopy(self.model.config)
+        cfg._attn_implementation = "sdpa"
+        model = type(self.model)(cfg).to(dtype=dtype, device=self.device)
+        model.load_state_dict(self.model.state_dict())
+        return model.eval()
 
     @torch.no_grad()
     def layers_from(self, hidden: torch.Tensor, layer_id: int, valid: torch.Tensor,

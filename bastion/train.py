@@ -286,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-features", action="store_true",
                    help="store token ids only (train them with fit --live-features)")
+    d.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="generate in this dtype (default the target's); a bf16 copy writes ~2.4× faster on "
+                        "CPUs with AMX, and every token it wrote is checked against the target's own choice")
     f = sub.add_parser("fit", help="train the drafter on generated data")
     f.add_argument("--data", type=Path, required=True, action="append", help="data folder (repeatable)")
     f.add_argument("--ckpt", type=Path, required=True)
@@ -412,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
                   spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
-                  features=not a.no_features)
+                  features=not a.no_features, gen_dtype=a.gen_dtype and getattr(torch, a.gen_dtype))
     elif a.cmd == "replay":
         if a.sequences < 0 or a.batch < 1:
             ap.error("--sequences must be ≥ 0 (0 = all) and --batch positive")

@@ -678,3 +678,69 @@ def test_a_new_drafter_starts_from_its_seed_and_leaves_the_global_generator_alon
     assert torch.equal(torch.rand(3), before)  # the caller's random stream is untouched
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # another seed, another start
+
+
+def test_checked_records_mark_exactly_the_tokens_the_target_would_not_have_written():
+    """``_records(check=True)``: a reply the target wrote greedily agrees everywhere; a reply with one
+    token changed disagrees there, and at every other reply position agrees iff that token is the
+    full model's argmax after the text before it."""
+    from bastion.traindata import _records
+
+    torch.manual_seed(3)
+    target = tiny_target("llama", vocab=64, dtype=torch.float32, layers=3)
+    target.set_feature_layers([1, 2])
+    prompt = [5, 9, 2, 7]
+    with torch.inference_mode():
+        greedy = target.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                       pad_token_id=0)[0].tolist()
+    bent = list(greedy)
+    bent[7] = (bent[7] + 1) % 64
+    recs = _records(target, [greedy, bent], [4, 4], pad=0, features=True, check=True)
+    assert recs[0]["agree"].all() and recs[0]["feats"].shape == (len(greedy), 2 * target.hidden_size)
+    with torch.inference_mode():
+        best = target.model(input_ids=torch.tensor([bent])).logits[0].argmax(-1)
+    want = [True] * 4 + [int(best[t - 1]) == bent[t] for t in range(4, len(bent))]
+    assert recs[1]["agree"].tolist() == want and not want[7]
+    # unchecked records carry no mark, and checked ones need no features
+    assert "agree" not in _records(target, [bent], [4], pad=0)[0]
+    assert "feats" not in _records(target, [bent], [4], pad=0, features=False, check=True)[0]
+
+
+def test_a_batch_drops_the_labels_at_and_past_a_disagreement_in_each_block():
+    """make_batch: with ``agree`` False at position m, a block anchored at a keeps its depth-k label
+    iff a + k < m or a ≥ m; records without ``agree`` keep every label."""
+    from bastion.distill import make_batch
+
+    n, plen, m, block = 20, 3, 11, 5
+    ids = torch.arange(1, n + 1, dtype=torch.int32)
+    agree = torch.ones(n, dtype=torch.bool)
+    agree[m] = False
+    rec = {"ids": ids, "prompt_len": plen, "feats": torch.zeros(n, 4), "agree": agree}
+    checked = make_batch([rec], 6, 8, block, 99, random.Random(5))
+    plain = make_batch([{k: v for k, v in rec.items() if k != "agree"}], 6, 8, block, 99, random.Random(5))
+    assert torch.equal(checked.anchor_pos, plain.anchor_pos)
+    anchors = checked.anchor_pos.flatten().tolist()
+    assert any(a < m <= a + block - 1 for a in anchors)  # the case that matters was drawn
+    lab = checked.labels.view(-1, block - 1)
+    ref = plain.labels.view(-1, block - 1)
+    for j, a in enumerate(anchors):
+        for k in range(1, block):
+            keep = a + k < m or a >= m
+            assert lab[j, k - 1] == (ref[j, k - 1] if keep else -100), (a, k)
+
+
+@pytest.mark.slow
+def test_bf16_generated_data_is_checked_and_recorded(tmp_path):
+    """``data --gen-dtype bfloat16`` on the embedded target: shards carry ``agree``, the folder
+    remembers the dtype, and a float32 run into it is refused."""
+    from bastion.train import main
+
+    data = tmp_path / "data"
+    common = ["--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "24", "--threads", "1"]
+    assert main(["data", "--gen-dtype", "bfloat16"] + common) == 0
+    recs = torch.load(data / "shard_00000.pt")
+    assert all(r["agree"].dtype == torch.bool and len(r["agree"]) == len(r["ids"]) for r in recs)
+    assert all(r["agree"][:r["prompt_len"]].all() for r in recs)
+    assert json.loads((data / "meta.json").read_text())["gen_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="gen_dtype"):
+        main(["data", "--gen-dtype", "float32"] + common)
