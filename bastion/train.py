@@ -287,8 +287,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-features", action="store_true",
                    help="store token ids only (train them with fit --live-features)")
     d.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="generate in this dtype (default the target's); a bf16 copy writes ~2.4× faster on "
-                        "CPUs with AMX, and every token it wrote is checked against the target's own choice")
+                   help="generate in this dtype (default the target's); a bf16 copy writes ~2× faster on CPUs "
+                        "with AMX, and every token it wrote is checked against the target's own choice")
     f = sub.add_parser("fit", help="train the drafter on generated data")
     f.add_argument("--data", type=Path, required=True, action="append", help="data folder (repeatable)")
     f.add_argument("--ckpt", type=Path, required=True)
