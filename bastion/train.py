@@ -201,6 +201,18 @@ def _resume(state_path: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer
     return st["step"], st["log"]
 
 
+def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
+    """Every finished shard's records and the shard count they were loaded at (counted first: a
+    shard written meanwhile is then loaded again at the next check, never skipped)."""
+    n_shards = count_shards(data)
+    records = load_shards(data, ids_only=live)
+    checked = [r["agree"][r["prompt_len"]:] for r in records if "agree" in r]
+    off = f", {sum(int((~a).sum()) for a in checked)} of {sum(map(len, checked))} checked reply tokens " \
+          "not the target's choice" if checked else ""
+    print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens{off}", file=sys.stderr)
+    return records, n_shards
+
+
 def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     """Train (or resume from ``ckpt``) a drafter on the data folders; runs on the target's device.
 
@@ -210,8 +222,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     data job still writing shards is picked up at those points."""
     cfg.validate()
     stored_ids = _data_layers(data, cfg.live)
-    records, n_shards = load_shards(data, ids_only=cfg.live), count_shards(data)
-    print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens", file=sys.stderr)
+    records, n_shards = _load_data(data, cfg.live)
     for p in target.model.parameters():
         p.requires_grad_(False)
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -258,8 +269,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
             # the data job may still be writing shards: train on everything finished so far
             # (the old list is dropped first: holding both doubles the peak memory)
             records = None
-            records, n_shards = load_shards(data, ids_only=cfg.live), count_shards(data)
-            print(f"\nreloaded: {len(records)} sequences", file=sys.stderr)
+            print(file=sys.stderr)
+            records, n_shards = _load_data(data, cfg.live)
             if cfg.draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
                 _fit_vocab(drafter, records, cfg.draft_vocab, target.vocab_size, stops)
         if step % cfg.ckpt_every == 0 or step >= cfg.steps or time.time() >= deadline:
