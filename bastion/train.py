@@ -40,7 +40,7 @@ import torch
 
 from .corpus import CORPORA
 from .drafter import DFlashDrafter, load_drafter, save_drafter, spread_layer_ids
-from .distill import make_batch, train_step
+from .distill import make_batch, noisy_features, train_step
 from .drafter_ops import average_drafters, build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
 from .loading import EMBEDDED, load_target
 from .target import Target
@@ -77,6 +77,10 @@ class FitConfig:
 
     ``accept``: weight β of the expected-acceptance-length weighting of the labels (``distill._train_step``).
 
+    ``feature_noise``: σ of the Gaussian noise added to the context features, relative to each
+    feature layer's RMS per token (``distill.noisy_features``); a regulariser, drawn per step from
+    ``seed`` and the step number. 0: none.
+
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
     """
@@ -102,6 +106,7 @@ class FitConfig:
     kd: float = 0.0
     add_feature_layers: tuple[int, ...] | None = None
     accept: float = 0.0
+    feature_noise: float = 0.0   # σ of the context features' noise, relative to each layer's RMS
     warmup: int = 50
 
     def validate(self) -> None:
@@ -113,6 +118,8 @@ class FitConfig:
             raise ValueError(f"--kd {self.kd}: give a weight in [0, 1]")
         if not 0.0 <= self.accept <= 1.0:
             raise ValueError(f"--accept {self.accept}: give a weight in [0, 1]")
+        if not 0.0 <= self.feature_noise <= 10.0:
+            raise ValueError(f"--feature-noise {self.feature_noise}: give a σ in [0, 10] (a fraction of each layer's RMS)")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers {self.layers}: give a positive layer count")
 
@@ -255,6 +262,9 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
         batch = make_batch(records, cfg.rows, cfg.anchors, b, cfg.mask_token_id, rng).to(target.device)
         if not cfg.live and feature_ids != stored_ids:
             batch = batch._replace(feats=extend_features(target, batch.feats, stored_ids, feature_ids, batch.valid))
+        if cfg.feature_noise:
+            batch = batch._replace(feats=noisy_features(batch.feats, cfg.feature_noise, target.hidden_size,
+                                                        cfg.seed * 1_000_003 + step))
         loss, acc, run = train_step(drafter, target, batch, cfg.gamma, cfg.bf16, cfg.loss_depths, cfg.kd, cfg.accept)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -263,7 +273,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
         step += 1
         log.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
-                   | ({"kd": cfg.kd} if cfg.kd else {}) | ({"accept": cfg.accept} if cfg.accept else {}))  # another scale: say so
+                   | ({"kd": cfg.kd} if cfg.kd else {}) | ({"accept": cfg.accept} if cfg.accept else {})
+                   | ({"feature_noise": cfg.feature_noise} if cfg.feature_noise else {}))  # another scale: say so
         progress(step, cfg.steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}")
         if step % cfg.ckpt_every == 0 and count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
@@ -333,6 +344,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--accept", type=float, default=0.0,
                    help="weight in [0, 1] of labels weighted by the expected accepted chain length that rides on "
                         "them (the rest: the fixed depth decay of --gamma)")
+    f.add_argument("--feature-noise", type=float, default=0.0,
+                   help="σ of Gaussian noise on the context features, relative to each feature layer's RMS "
+                        "per token (a regulariser; 0 = none)")
     f.add_argument("--add-feature-layers", default=None,
                    help="comma-separated target layers to read beyond the data's feature layers (later ones, e.g. "
                         "the last); computed per batch from the last stored layer. With --init the drafter's fc "
@@ -375,7 +389,7 @@ def _fit_config(a: argparse.Namespace) -> FitConfig:
                     block=a.block, blocks=ints(a.blocks, "--blocks", "integers"), gamma=a.gamma,
                     ckpt_every=a.ckpt_every, export=a.export, seed=a.seed, bf16=not a.no_bf16,
                     loss_depths=a.loss_depths, init=a.init, draft_vocab=a.draft_vocab or None,
-                    live=a.live_features, kd=a.kd, accept=a.accept,
+                    live=a.live_features, kd=a.kd, accept=a.accept, feature_noise=a.feature_noise,
                     add_feature_layers=ints(a.add_feature_layers, "--add-feature-layers", "layer ids"))
     cfg.validate()
     return cfg

@@ -744,3 +744,45 @@ def test_bf16_generated_data_is_checked_and_recorded(tmp_path):
     assert json.loads((data / "meta.json").read_text())["gen_dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="gen_dtype"):
         main(["data", "--gen-dtype", "float32"] + common)
+
+
+def test_feature_noise_is_scaled_per_layer_and_drawn_from_its_seed():
+    """noisy_features: x + σ·rms(x)·ε per token and per feature layer — a layer ten times larger gets
+    ten times the noise — the same seed draws the same noise, another seed other noise, σ = 0 none."""
+    from bastion.distill import noisy_features
+
+    h = 64
+    small, large = torch.randn(3, 50, h), 10 * torch.randn(3, 50, h)
+    feats = torch.cat([small, large], dim=-1)
+    out = noisy_features(feats, 0.5, h, seed=7)
+    assert out.shape == feats.shape and out.dtype == feats.dtype
+    d = (out - feats).view(3, 50, 2, h)
+    rms = feats.view(3, 50, 2, h).pow(2).mean(-1).sqrt()            # [3, 50, 2]
+    ratio = d.pow(2).mean(-1).sqrt() / rms                          # per token and layer ≈ σ
+    assert 0.4 < ratio.mean().item() < 0.6 and (ratio[..., 0].mean() / ratio[..., 1].mean() - 1).abs() < 0.1
+    assert torch.equal(noisy_features(feats, 0.5, h, seed=7), out)
+    assert not torch.equal(noisy_features(feats, 0.5, h, seed=8), out)
+    assert noisy_features(feats, 0.0, h, seed=7) is feats
+
+
+def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
+    """fit --feature-noise σ: the loss of the same batch stream moves (the features differ), the log
+    says the scale, and a σ outside [0, 10] is refused before anything loads."""
+    from bastion.train import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "x", "--ckpt", "y", "--feature-noise", "-0.1"])
+    assert "--feature-noise -0.1" in capsys.readouterr().err
+    data = tmp_path / "data"
+    common = ["--threads", "1"]
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8"] + common) == 0
+
+    def losses(sigma: str) -> list[dict]:
+        ckpt = tmp_path / f"ckpt-{sigma}"
+        assert main(["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "2",
+                     "--loss-depths", "3", "--steps", "3", "--no-bf16", "--feature-noise", sigma] + common) == 0
+        return [json.loads(x) for x in (ckpt / "log.jsonl").read_text().splitlines()]
+
+    plain, noisy = losses("0"), losses("0.5")
+    assert "feature_noise" not in plain[0] and noisy[0]["feature_noise"] == 0.5
+    assert abs(plain[0]["loss"] - noisy[0]["loss"]) > 1e-4
