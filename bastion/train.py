@@ -98,7 +98,7 @@ class FitConfig:
     export: Path | None = None   # also write the drafter folder (fp16) at each checkpoint
     seed: int = 0                # seed of the batch stream (rows, anchors, block lengths)
     mask_token_id: int = MASK_TOKEN_SMOLLM2
-    bf16: bool = True            # autocast the drafter's forward to bf16
+    bf16: bool = True            # autocast the drafter's forward to bf16 (where it is fast: _bf16_is_fast)
     loss_depths: int | None = None  # train depths 1..D only (default B − 1)
     init: Path | None = None     # warm start from this drafter folder
     draft_vocab: int | None = None  # draft over the N most frequent tokens of the data only
@@ -220,6 +220,18 @@ def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
     return records, n_shards
 
 
+def _bf16_is_fast(device: torch.device) -> bool:
+    """bf16 autocast pays on a GPU and on CPUs with bf16 arithmetic; elsewhere it is emulated and
+    ~20× slower than float32, so ``fit`` says so and trains in float32."""
+    from .kernels.cpu_native import cpu_has_bf16
+
+    if device.type != "cpu" or cpu_has_bf16():
+        return True
+    print("fit: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX); training in float32, where bf16 "
+          "autocast would run ~20x slower", file=sys.stderr)
+    return False
+
+
 def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     """Train (or resume from ``ckpt``) a drafter on the data folders; runs on the target's device.
 
@@ -252,6 +264,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     spent = log[-1]["time"] if log else 0.0  # wall time of earlier runs, so a resumed schedule continues
     t0 = time.time() - spent
     deadline = t0 + 60 * cfg.minutes if cfg.minutes else float("inf")
+    bf16 = cfg.bf16 and _bf16_is_fast(target.device)
     drafter.train()
     while step < cfg.steps and time.time() < deadline:
         for g in opt.param_groups:
@@ -265,7 +278,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
         if cfg.feature_noise:
             batch = batch._replace(feats=noisy_features(batch.feats, cfg.feature_noise, target.hidden_size,
                                                         cfg.seed * 1_000_003 + step))
-        loss, acc, run = train_step(drafter, target, batch, cfg.gamma, cfg.bf16, cfg.loss_depths, cfg.kd, cfg.accept)
+        loss, acc, run = train_step(drafter, target, batch, cfg.gamma, bf16, cfg.loss_depths, cfg.kd, cfg.accept)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -328,7 +341,8 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--gamma", type=float, default=5.0)
     f.add_argument("--ckpt-every", type=int, default=50)
     f.add_argument("--export", type=Path, default=None, help="also write the drafter folder at each checkpoint")
-    f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower)")
+    f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower where the CPU or GPU has bf16 arithmetic; "
+                                                          "CPUs without it train in fp32 anyway)")
     f.add_argument("--loss-depths", type=int, default=None, help="train depths 1..D only (default B−1)")
     f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
     f.add_argument("--draft-vocab", type=int, default=0,

@@ -786,3 +786,30 @@ def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
     plain, noisy = losses("0"), losses("0.5")
     assert "feature_noise" not in plain[0] and noisy[0]["feature_noise"] == 0.5
     assert abs(plain[0]["loss"] - noisy[0]["loss"]) > 1e-4
+
+
+def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys, monkeypatch):
+    """bf16 autocast is emulated on CPUs without AVX512-BF16 / AMX (~20× slower than float32): fit
+    says so and trains in float32; the flag test reads the CPU's own flags."""
+    from bastion.kernels import cpu_native
+    from bastion.train import main
+
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "flags : fpu sse2 avx2 fma")
+    assert not cpu_native.cpu_has_bf16()
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "flags : avx2 avx512f avx512_bf16")
+    assert cpu_native.cpu_has_bf16()
+    data = tmp_path / "data"
+    assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8",
+                 "--threads", "1"]) == 0
+    seen = []
+    import bastion.train as train_mod
+    real = train_mod.train_step
+    monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    fit = ["fit", "--data", str(data), "--rows", "2", "--anchors", "2", "--loss-depths", "2", "--steps", "1",
+           "--threads", "1"]
+    for has, ckpt in ((False, "a"), (True, "b")):
+        monkeypatch.setattr(cpu_native, "cpu_has_bf16", lambda has=has: has)
+        capsys.readouterr()
+        assert main(fit + ["--ckpt", str(tmp_path / ckpt)]) == 0
+        assert ("no bf16 arithmetic" in capsys.readouterr().err) is not has
+    assert seen == [False, True]

@@ -75,6 +75,14 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), by its flags alone (no
+    build). Without them torch's bf16 autocast is emulated: a drafter training step on an AVX2 EPYC
+    took ~20 s against ~1 s in float32."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def _cache_dir() -> Path:
     from ..embedded import default_cache_dir
 
