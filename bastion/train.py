@@ -222,14 +222,10 @@ def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
 
 def _bf16_is_fast(device: torch.device) -> bool:
     """bf16 autocast pays on a GPU and on CPUs with bf16 arithmetic; elsewhere it is emulated and
-    ~20× slower than float32, so ``fit`` says so and trains in float32."""
+    ~20× slower than float32 (``fit`` then trains in float32 and says so)."""
     from .kernels.cpu_native import cpu_has_bf16
 
-    if device.type != "cpu" or cpu_has_bf16():
-        return True
-    print("fit: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX); training in float32, where bf16 "
-          "autocast would run ~20x slower", file=sys.stderr)
-    return False
+    return device.type != "cpu" or cpu_has_bf16()
 
 
 def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
@@ -265,6 +261,9 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     t0 = time.time() - spent
     deadline = t0 + 60 * cfg.minutes if cfg.minutes else float("inf")
     bf16 = cfg.bf16 and _bf16_is_fast(target.device)
+    if cfg.bf16 and not bf16:
+        print("fit: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX); training in float32, where bf16 "
+              "autocast would run ~20x slower", file=sys.stderr)
     drafter.train()
     while step < cfg.steps and time.time() < deadline:
         for g in opt.param_groups:
@@ -452,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
+        if a.gen_dtype == "bfloat16" and not _bf16_is_fast(target.device):
+            print("data: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX): --gen-dtype bfloat16 will be "
+                  "slower than float32 here, not faster", file=sys.stderr)
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
                   spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
                   features=not a.no_features, gen_dtype=a.gen_dtype and getattr(torch, a.gen_dtype))
