@@ -39,9 +39,15 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def progress(done: int, total: int, t0: float, extra: str = "") -> None:
-    rate = done / max(time.time() - t0, 1e-9)
+def progress(done: int, total: int, t0: float, extra: str = "", deadline: float | None = None) -> None:
+    """One carriage-return line on stderr: done/total, the rate since `t0`, and the time left — by the
+    rate, or until `deadline` (a ``time.time()`` value) where that comes first (a fit bounded by
+    ``--minutes`` with a large ``--steps`` would otherwise promise days)."""
+    now = time.time()
+    rate = done / max(now - t0, 1e-9)
     eta = (total - done) / rate if rate > 0 else float("inf")
+    if deadline is not None:
+        eta = max(0.0, min(eta, deadline - now))
     print(f"\r[{done}/{total}] {rate:.2f}/s eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
 
 

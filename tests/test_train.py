@@ -2,6 +2,7 @@
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from bastion.corpus import build_corpus
 from bastion.loading import DEV_PROMPTS, EVAL_PROMPTS
+from bastion.traindata import progress
 from tiny import tiny_drafter, tiny_target
 
 
@@ -813,3 +815,15 @@ def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys
         assert main(fit + ["--ckpt", str(tmp_path / ckpt)]) == 0
         assert ("no bf16 arithmetic" in capsys.readouterr().err) is not has
     assert seen == [False, True]
+
+
+def test_progress_counts_down_to_a_deadline_that_comes_before_the_steps_run_out(capsys):
+    t0 = time.time() - 10.0  # 10 steps in 10 s: 1 step/s
+    progress(10, 100_000, t0)
+    assert "eta 1666." in capsys.readouterr().err  # by the rate alone: ~99,990 s
+    progress(10, 100_000, t0, deadline=time.time() + 120.0)
+    assert "eta 2.0 min" in capsys.readouterr().err
+    progress(10, 20, t0, deadline=time.time() + 3600.0)  # the steps end first: the rate's estimate
+    assert "eta 0.2 min" in capsys.readouterr().err
+    progress(10, 100_000, t0, deadline=time.time() - 5.0)  # past it: never negative
+    assert "eta 0.0 min" in capsys.readouterr().err
