@@ -197,52 +197,17 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
     """
     max_depth = min(rule.max_depth, len(vals))
     limit = min(rule.budget if rule.kind == "fixed" else rule.max_nodes, rule.max_nodes)
-    tree = DraftTree.root_only(root)
-    raw = raw or vals
     c_now = cost(1) if cost else 0.0
-    exp = Expansion(tree, root_cost=c_now, round_overhead=round_overhead,
+    exp = Expansion(DraftTree.root_only(root), root_cost=c_now, round_overhead=round_overhead,
                     root_throughput=1.0 / (round_overhead + c_now) if cost and round_overhead + c_now > 0 else 0.0,
                     conditioned=rerank is not None)
     if limit <= 0 or max_depth <= 0 or not vals[0]:
         exp.stop_reason = "budget 0: root only"
         return exp
-    # the candidate list under each node: (log confidences descending, ids, raw log q) — one list
-    # per depth shared by all its nodes, or with ``rerank`` one per node, made when it is popped
-    shared = [(v, t, q) for v, t, q in zip(vals, ids, raw)]
-    lists = {0: rerank(1, before_root, root) if rerank else shared[0]}
-    last_two = {0: (before_root, root)}
-    # heap entries: (−log P, tie-breaker, depth, rank, parent, log P of parent)
-    heap = [(-lists[0][0][0], 0, 1, 0, 0, 0.0)] if lists[0][0] else []
-    counter = 1
-    s_total, best_thr, best_n = 1.0, exp.root_throughput, 1
-    nodes: list[tuple] = []  # popped candidates in order, materialised into the tree at the end
-    misses = 0
-    while heap and len(nodes) < limit:
-        neg, _, d, r, parent, parent_logp = heapq.heappop(heap)
-        if r < 0:  # a node's children, listed only now that the bound on the best of them came up
-            lists[parent] = rerank(d, *last_two[parent])
-            if lists[parent][0]:
-                heapq.heappush(heap, (-(parent_logp + lists[parent][0][0]), counter, d, 0, parent, parent_logp))
-                counter += 1
-            continue
-        logp = -neg
-        idx = len(nodes) + 1
-        lv, lt, lq = lists[parent]
-        token = lt[r]
-        nodes.append((token, parent, math.exp(lq[r]), math.exp(logp), r))
-        if r + 1 < len(lv):
-            heapq.heappush(heap, (-(parent_logp + lv[r + 1]), counter, d, r + 1, parent, parent_logp))
-            counter += 1
-        if d < max_depth:
-            if rerank:  # lazily: most popped nodes' children never come up (see Rerank.bound)
-                last_two[idx] = (last_two[parent][1], token)
-                heapq.heappush(heap, (-(logp + rerank.bound(d + 1)), counter, d + 1, -1, idx, logp))
-                counter += 1
-            elif shared[d][0]:
-                lists[idx] = shared[d]
-                heapq.heappush(heap, (-(logp + shared[d][0][0]), counter, d + 1, 0, idx, logp))
-                counter += 1
-        p = math.exp(logp)
+    frontier = _Frontier(root, vals, ids, raw or vals, max_depth, rerank, before_root)
+    s_total, best_thr, best_n, misses = 1.0, exp.root_throughput, 1, 0
+    while frontier.popped < limit and (node := frontier.pop()) is not None:
+        idx, d, token, parent, p = node
         s_total += p
         c_next = cost(idx + 1) if cost else 0.0
         denom = round_overhead + c_next
@@ -264,21 +229,89 @@ def best_first_from_topk(root: int, vals: list[list[float]], ids: list[list[int]
                                   "look-ahead: no gain yet" if misses <= rule.lookahead else "no gain"))
         if misses > rule.lookahead:
             break
-    for token, parent, marginal, path_p, r in nodes[:best_n - 1]:
-        tree.add(token, parent, marginal, path_p, r)
-    if rule.kind == "fixed":
-        exp.stop_reason = f"fixed budget of {limit} nodes reached" if len(nodes) >= limit else "candidates exhausted"
-    elif misses > rule.lookahead:
-        exp.stop_reason = (f"next node lowers predicted throughput (p={exp.trace[best_n - 1].p:.3g} too small "
-                           f"for its cost); best size {best_n} nodes")
-    elif len(nodes) >= limit:
-        exp.stop_reason = f"cap of {limit} draft nodes reached"
-    else:
-        exp.stop_reason = "candidates exhausted"
+    frontier.materialise(exp.tree, best_n - 1)
+    exp.stop_reason = _stop_reason(rule, exp, limit, frontier.popped, misses > rule.lookahead, best_n)
     for dec in exp.trace[best_n - 1:]:
         if dec.added:
             dec.added, dec.reason = False, "dropped: beyond the best prefix"
     return exp
+
+
+class _Frontier:
+    """Best-first enumeration of a draft tree's candidates in non-increasing path log P.
+
+    Each node has a candidate list for its children — (log confidences descending, ids, raw log q) —
+    either depth d+1's list shared by all nodes of depth d, or with ``rerank`` its own, made when the
+    node's lazy entry (rank −1, keyed by ``rerank.bound``, an upper bound on its best child) comes up.
+    The heap holds, per list in use, only its next unpopped entry: (−log P, tie-breaker, depth, rank,
+    parent, log P of parent). Popping entry (d, r) pushes (d, r+1) under the same parent and the
+    popped node's first child; since every list is sorted and ≤ 0, that is exactly the order of P.
+
+    ``vals`` / ``ids`` / ``raw``: per depth 1..D the top-k lists, as in :func:`best_first_from_topk`.
+    Popped nodes are numbered 1, 2, ... in pop order and kept until :meth:`materialise`."""
+
+    def __init__(self, root: int, vals: list[list[float]], ids: list[list[int]], raw: list[list[float]],
+                 max_depth: int, rerank: Rerank | None, before_root: int | None):
+        self.shared = list(zip(vals, ids, raw))
+        self.max_depth, self.rerank = max_depth, rerank
+        self.lists = {0: rerank(1, before_root, root) if rerank else self.shared[0]}
+        self.last_two = {0: (before_root, root)}  # with rerank: each listed node's history
+        self.heap = [(-self.lists[0][0][0], 0, 1, 0, 0, 0.0)] if self.lists[0][0] else []
+        self.counter = 1
+        self.nodes: list[tuple[int, int, float, float, int]] = []  # (token, parent, marginal, P, rank)
+
+    @property
+    def popped(self) -> int:
+        return len(self.nodes)
+
+    def _push(self, neg_logp: float, depth: int, rank: int, parent: int, parent_logp: float) -> None:
+        heapq.heappush(self.heap, (neg_logp, self.counter, depth, rank, parent, parent_logp))
+        self.counter += 1
+
+    def pop(self) -> tuple[int, int, int, int, float] | None:
+        """The next best candidate as (node index, depth, token, parent, P), or None when none is left."""
+        heap, rerank = self.heap, self.rerank
+        while heap:
+            neg, _, d, r, parent, parent_logp = heapq.heappop(heap)
+            if r < 0:  # a node's children, listed only now that the bound on the best of them came up
+                self.lists[parent] = rerank(d, *self.last_two[parent])
+                if self.lists[parent][0]:
+                    self._push(-(parent_logp + self.lists[parent][0][0]), d, 0, parent, parent_logp)
+                continue
+            logp = -neg
+            idx = len(self.nodes) + 1
+            lv, lt, lq = self.lists[parent]
+            token = lt[r]
+            p = math.exp(logp)
+            self.nodes.append((token, parent, math.exp(lq[r]), p, r))
+            if r + 1 < len(lv):
+                self._push(-(parent_logp + lv[r + 1]), d, r + 1, parent, parent_logp)
+            if d < self.max_depth:
+                if rerank:  # lazily: most popped nodes' children never come up (see Rerank.bound)
+                    self.last_two[idx] = (self.last_two[parent][1], token)
+                    self._push(-(logp + rerank.bound(d + 1)), d + 1, -1, idx, logp)
+                elif self.shared[d][0]:
+                    self.lists[idx] = self.shared[d]
+                    self._push(-(logp + self.shared[d][0][0]), d + 1, 0, idx, logp)
+            return idx, d, token, parent, p
+        return None
+
+    def materialise(self, tree: DraftTree, n: int) -> None:
+        """Add the first ``n`` popped nodes to ``tree`` (parents always come first)."""
+        for token, parent, marginal, path_p, r in self.nodes[:n]:
+            tree.add(token, parent, marginal, path_p, r)
+
+
+def _stop_reason(rule: BudgetRule, exp: Expansion, limit: int, popped: int, no_gain: bool, best_n: int) -> str:
+    """Why the builder stopped, in words for the trace view."""
+    if rule.kind == "fixed":
+        return f"fixed budget of {limit} nodes reached" if popped >= limit else "candidates exhausted"
+    if no_gain:
+        return (f"next node lowers predicted throughput (p={exp.trace[best_n - 1].p:.3g} too small "
+                f"for its cost); best size {best_n} nodes")
+    if popped >= limit:
+        return f"cap of {limit} draft nodes reached"
+    return "candidates exhausted"
 
 
 COPY_RANKS = {"lookup": -1, "datastore": -2}  # DraftTree.ranks of nodes a copy source added
