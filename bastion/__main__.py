@@ -52,7 +52,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object with the result")
 
 
-def run_generate(a) -> int:
+def _checked_config(a) -> GenerationConfig:
+    """The generation settings from the command line, every bad value refused before anything loads."""
     from .kernels import BACKENDS
     from .loading import DTYPES
 
@@ -74,9 +75,14 @@ def run_generate(a) -> int:
         raise UsageError(f"unknown kernel backend {a.kernels!r}; choose one of {', '.join(BACKENDS)}")
     if a.trace is not None and not a.trace.parent.exists():
         raise UsageError(f"trace folder {a.trace.parent} does not exist")
+    return cfg
 
+
+def _engine_and_prompt(a, cfg: GenerationConfig):
+    """(Engine, prompt token ids): target, drafter and datastore loaded, the prompt encoded and checked
+    against the model's context; any failure a UsageError."""
     from .engine import Engine
-    from .loading import encode_prompt, load_default_datastore, load_default_drafter, load_target
+    from .loading import DTYPES, encode_prompt, load_default_datastore, load_default_drafter, load_target
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
@@ -94,7 +100,21 @@ def run_generate(a) -> int:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {target.max_positions}")
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
+    return engine, ids
 
+
+def _write_trace(path: Path, steps: list) -> None:
+    """One JSON step record per line, written whole or not at all (temporary file, then rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        for s in steps:
+            fh.write(json.dumps(s.to_dict()) + "\n")
+    os.replace(tmp, path)
+
+
+def run_generate(a) -> int:
+    cfg = _checked_config(a)
+    engine, ids = _engine_and_prompt(a, cfg)
     steps = []
     for step in engine.generate(ids, cfg):
         steps.append(step)
@@ -102,11 +122,7 @@ def run_generate(a) -> int:
             print("".join(step.token_texts), end="", flush=True)
     result = engine.summarize(steps, len(ids))
     if a.trace is not None:
-        fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=a.trace.parent)
-        with os.fdopen(fd, "w") as fh:
-            for s in steps:
-                fh.write(json.dumps(s.to_dict()) + "\n")
-        os.replace(tmp, a.trace)
+        _write_trace(a.trace, steps)
     if a.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -259,7 +259,7 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bastion.heldout", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=EMBEDDED)
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
@@ -280,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-confidence", action="store_true",
                     help="also the drafter's depth-1 accuracy per bin of the target's own confidence in the token")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse what can be refused before the target loads; fill in the default cache path."""
     if a.data and a.sample < 1:
         ap.error("--sample must be positive")
-    try:  # a bad suite is refused before the target loads
+    try:
         suite_items(a.prompts)
     except ValueError as exc:
         ap.error(str(exc))
@@ -293,6 +297,31 @@ def main(argv: list[str] | None = None) -> int:
     if a.cache is None:
         name = "heldout.pt" if a.prompts.resolve() == EVAL_PROMPTS.resolve() else f"heldout-{a.prompts.stem}.pt"
         a.cache = Path.home() / ".cache" / "bastion" / name
+
+
+def _print_tables(res: dict, by_confidence: bool) -> None:
+    """The result as Markdown: per category, depth accuracies, chain length and each simulated τ;
+    with ``by_confidence`` also depth-1 accuracy per bin of the target's confidence."""
+    sims = list(res["all"]["tau"])
+    print(f"| prompts | acc depth 1–{len(res['all']['acc'])} | chain length | {' | '.join(f'τ {k}' for k in sims)} |\n"
+          f"|---|---|---:|{'---:|' * len(sims)}")
+    for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
+        print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
+              + " | ".join(f"{r['tau'][k]:.2f}" for k in sims) + " |")
+    if by_confidence:
+        names = sorted(res, key=lambda k: k == "all")
+        print("\n| target's p(greedy token) | share of positions | depth-1 accuracy: "
+              + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
+        for i, b in enumerate(res["all"]["by_confidence"]):
+            cells = [res[k]["by_confidence"][i]["acc1"] for k in names]
+            print(f"| [{b['lo']:.2f}, {b['hi']:.2f}{']' if i == len(CONFIDENCE_EDGES) - 2 else ')'} | {b['share']:.1%} | "
+                  + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    _check_args(ap, a)  # a bad suite or folder is refused before the target loads
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(a.model, torch.float32, "cpu")
@@ -317,21 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence)
     if a.json:
         print(json.dumps(res))
-        return 0
-    sims = list(res["all"]["tau"])
-    print(f"| prompts | acc depth 1–{len(res['all']['acc'])} | chain length | {' | '.join(f'τ {k}' for k in sims)} |\n"
-          f"|---|---|---:|{'---:|' * len(sims)}")
-    for name, r in sorted(res.items(), key=lambda kv: kv[0] == "all"):  # categories, then all
-        print(f"| {name} | {' '.join(f'{x:.2f}' for x in r['acc'])} | {r['chain_len']:.2f} | "
-              + " | ".join(f"{r['tau'][k]:.2f}" for k in sims) + " |")
-    if a.by_confidence:
-        names = sorted(res, key=lambda k: k == "all")
-        print("\n| target's p(greedy token) | share of positions | depth-1 accuracy: "
-              + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
-        for i, b in enumerate(res["all"]["by_confidence"]):
-            cells = [res[k]["by_confidence"][i]["acc1"] for k in names]
-            print(f"| [{b['lo']:.2f}, {b['hi']:.2f}{']' if i == len(CONFIDENCE_EDGES) - 2 else ')'} | {b['share']:.1%} | "
-                  + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+    else:
+        _print_tables(res, a.by_confidence)
     return 0
 
 

@@ -190,18 +190,25 @@ def markdown(results: dict) -> str:
 def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
     """Three PNGs: speedup by category; τ vs mean tree size; predicted vs measured verify time."""
     from matplotlib import colormaps
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
 
     res = out.results
-    names = list(res["strategies"])
-    color = {n: colormaps["tab10"](i % 10) for i, n in enumerate(names)}
+    color = {n: colormaps["tab10"](i % 10) for i, n in enumerate(res["strategies"])}
     title = f"{res['machine']['gpu'] or res['machine']['cpu']} · {res['machine']['date'][:10]}"
     paths = [folder / "speedup_by_category.png", folder / "tau_vs_tree_size.png", folder / "verify_latency.png"]
+    _plot_speedup(res, color, title).savefig(paths[0], dpi=120)
+    _plot_tau_vs_size(res, color, title).savefig(paths[1], dpi=120)
+    _plot_latency(out, color, title).savefig(paths[2], dpi=120)
+    return paths
+
+
+def _plot_speedup(res: dict, color: dict, title: str):
+    """Bars: each strategy's decode speedup over AR per category and over all prompts."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
 
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     groups = {**res["categories"], "all prompts": res["strategies"]}
-    shown = [n for n in names if n != "ar"]
+    shown = [n for n in res["strategies"] if n != "ar"]
     width = 0.8 / max(1, len(shown))
     for j, n in enumerate(shown):
         ys = [g[n]["speedup_vs_ar"] or 0.0 for g in groups.values()]
@@ -214,7 +221,12 @@ def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
     ax.set_title(f"Speedup by category — {title}", fontsize=10)
     ax.legend(fontsize=8, ncols=min(4, len(shown) + 1), loc="upper left")
     ax.set_ylim(0, max([1.3] + [1.3 * (g[n]["speedup_vs_ar"] or 0) for g in groups.values() for n in shown]))
-    fig.savefig(paths[0], dpi=120)
+    return fig
+
+
+def _plot_tau_vs_size(res: dict, color: dict, title: str):
+    """Scatter: τ against mean tree size, per strategy (large) and per category (small)."""
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.5, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -230,14 +242,20 @@ def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
     ax.set_ylabel("τ (tokens per round)")
     ax.set_title(f"Acceptance vs tree size (large: all prompts, small: categories)\n{title}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.savefig(paths[1], dpi=120)
+    return fig
+
+
+def _plot_latency(out: BenchOutput, color: dict, title: str):
+    """Scatter, log-log: the latency model's predicted verification time against the measured one,
+    every round of every engine strategy, with the diagonal."""
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 5.5), layout="constrained")
     ax = fig.add_subplot()
-    for n in names:
+    for n in out.results["strategies"]:
         pts = [(r["predicted_s"] * 1e3, r["measured_s"] * 1e3) for r in out.rounds if r["strategy"] == n]
         if pts:
-            err = res["strategies"][n]["latency_error"]
+            err = out.results["strategies"][n]["latency_error"]
             ax.scatter(*zip(*pts), s=6, alpha=0.4, color=color[n], label=f"{n} (median err {_cell(err, '{:.0%}')})")
     values = [v for r in out.rounds for v in (r["predicted_s"], r["measured_s"]) if v > 0]
     if values:
@@ -249,5 +267,4 @@ def plot_report(out: BenchOutput, folder: Path) -> list[Path]:
     ax.set_ylabel("measured verify time (ms)")
     ax.set_title(f"Latency model, every round (error: rounds ≥ 10)\n{title}", fontsize=10)
     ax.legend(fontsize=7, markerscale=2)
-    fig.savefig(paths[2], dpi=120)
-    return paths
+    return fig
