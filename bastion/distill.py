@@ -98,11 +98,11 @@ def noisy_features(feats: torch.Tensor, sigma: float, width: int, seed: int) -> 
     if sigma <= 0:
         return feats
     r, L, kh = feats.shape
-    x = feats.view(r, L, kh // width, width)
-    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    x = feats.view(r, L, kh // width, width).float()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     gen = torch.Generator(device=feats.device).manual_seed(seed)
     eps = torch.randn(x.shape, generator=gen, device=feats.device, dtype=torch.float32)
-    return (x.float() + sigma * rms * eps).to(feats.dtype).view(r, L, kh)
+    return (x + sigma * rms * eps).to(feats.dtype).view(r, L, kh)
 
 
 def block_mask(valid: torch.Tensor, anchor_pos: torch.Tensor, block: int, dtype) -> torch.Tensor:

@@ -288,7 +288,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
                    | ({"kd": cfg.kd} if cfg.kd else {}) | ({"accept": cfg.accept} if cfg.accept else {})
                    | ({"feature_noise": cfg.feature_noise} if cfg.feature_noise else {}))  # another scale: say so
         progress(step, cfg.steps, t0, f"loss {loss.item():.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}",
-                 deadline=deadline if cfg.minutes else None)
+                 deadline=deadline)  # inf without --minutes: the rate's estimate
         if step % cfg.ckpt_every == 0 and count_shards(data) > n_shards:
             # the data job may still be writing shards: train on everything finished so far
             # (the old list is dropped first: holding both doubles the peak memory)
