@@ -8,6 +8,10 @@ every strategy in turn, the turn starting one place later on every prompt: drift
 reference for speedup and token equality. One engine serves every strategy, as in a serving process:
 its online latency calibration carries over from run to run.
 
+**Two drafters** (``--drafter-b DIR``): a second engine on the same target, with that drafter and the
+datastore stored beside it, runs every strategy whose name ends in ``@b`` (``bastion@b``, ``chain@b``)
+in the same interleaved turns — an A/B of drafters whose ratios share one run's machine.
+
 **Timing** is decode tokens/s with the prefill excluded. Engine: :attr:`Step.elapsed_s` (the clock
 starts after the prefill of prompt[:-1]; every generated token counts). transformers' ``generate``
 (``--hf-baselines``): a streamer stamps each batch of tokens as it comes out; the first batch follows
@@ -67,6 +71,7 @@ class Strategy:
     condition: bool = True   # bastion's n-gram re-weighting of each node's children; 'bastion:nocond' leaves it out
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
     adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
+    drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
@@ -88,6 +93,11 @@ def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
 
 
 def _strategy(name: str) -> Strategy:
+    if name.endswith("@b") and name != "@b":
+        s = _strategy(name[:-len("@b")])
+        if s.kind in ("hf", "ar"):
+            raise BenchError(f"strategy {name!r}: only drafting strategies run on --drafter-b")
+        return replace(s, name=f"{s.name}@b", drafter_b=True)
     if name.endswith(":nopad") and name != ":nopad":
         s = _strategy(name[:-len(":nopad")])
         if s.kind in ("hf", "ar"):
@@ -116,7 +126,7 @@ def _strategy(name: str) -> Strategy:
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, and then in @b)")
 
 
 @dataclass(frozen=True)
@@ -259,10 +269,15 @@ def _linear_mode(model: torch.nn.Module) -> str:
 
 def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy], max_new_tokens: int = 128,
               temperature: float = 0.0, repeats: int = 1, seed: int = 0, command: str = "",
-              progress: bool = True) -> BenchOutput:
-    """Run every strategy on every case (order in the module docstring) and tabulate the results."""
+              progress: bool = True, engine_b: Engine | None = None) -> BenchOutput:
+    """Run every strategy on every case (order in the module docstring) and tabulate the results;
+    ``engine_b`` (on ``engine``'s target) runs the strategies named ``NAME@b``."""
     if not cases or strategies[0].name != "ar":
         raise ValueError("run_suite needs prompts and AR as the first strategy")
+    if engine_b is not None and engine_b.target is not engine.target:
+        raise ValueError("engine_b must decode with engine's target: one model serves every strategy")
+    if engine_b is None and any(s.drafter_b for s in strategies):
+        raise ValueError("strategies named NAME@b need engine_b")
     device = engine.target.device
     rows: list[dict] = []
     resettable = True
@@ -273,7 +288,7 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
         if s.kind == "hf":
             run = _run_hf(engine, case.ids, s, n, temperature, seed)
         else:
-            run = _run_engine(engine, case.ids, s.config(n, temperature, seed), sink, tag)
+            run = _run_engine(engine_b if s.drafter_b else engine, case.ids, s.config(n, temperature, seed), sink, tag)
         run.peak_rss_mb, run.peak_gpu_mb = _peak_memory(device)
         return run
 
@@ -300,6 +315,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["linear"] = _linear_mode(engine.target.model)
     if engine.drafter is not None and isinstance(engine.drafter, torch.nn.Module):
         machine["drafter_linear"] = _linear_mode(engine.drafter)
+    if engine_b is not None:
+        machine["row_padding_b"] = engine_b.padding.to_dict() if engine_b.padding is not None else None
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
@@ -321,7 +338,8 @@ def add_parser(sub) -> None:
                    "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "
                    "datastore branch), bastion:nocond (no n-gram re-weighting of the tree's children), "
                    "bastion:drafter (the drafter's marginals alone); "
-                   "a drafting name ending in :nopad verifies trees without row padding")
+                   "a drafting name ending in :nopad verifies trees without row padding, one ending in @b "
+                   "decodes with --drafter-b")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -332,6 +350,9 @@ def add_parser(sub) -> None:
     b.add_argument("--out", type=Path, default=None, help="output folder (default bench/out-DATE-TIME)")
     b.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
     b.add_argument("--drafter", default=None, help="DFlash drafter folder or hub id (default: the shipped one)")
+    b.add_argument("--drafter-b", default=None,
+                   help="a second drafter folder (its datastore beside it) for the strategies named NAME@b, "
+                        "as in --strategies ar,bastion,bastion@b: an A/B of drafters within one run")
     b.add_argument("--dtype", default="float32")
     b.add_argument("--device", default=None)
     b.add_argument("--kernels", default="auto", help="auto|torch|triton")
@@ -347,17 +368,19 @@ def add_parser(sub) -> None:
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def run_bench(a, engine: Engine | None = None, encode: Callable[[str], list[int]] | None = None) -> int:
-    """The ``bench`` subcommand. ``engine`` and ``encode`` (prompt text → ids) may be injected (tests);
-    otherwise the model named by ``a.model`` is loaded, after every input check has passed."""
+def run_bench(a, engine: Engine | None = None, encode: Callable[[str], list[int]] | None = None,
+              engine_b: Engine | None = None) -> int:
+    """The ``bench`` subcommand. ``engine``, ``engine_b`` (for ``NAME@b``) and ``encode`` (prompt text →
+    ids) may be injected (tests); otherwise the model named by ``a.model`` is loaded, after every input
+    check has passed."""
     try:
-        return _bench(a, engine, encode)
+        return _bench(a, engine, encode, engine_b)
     except BenchError as exc:  # handled here: under `python -m`, __main__'s UsageError is another class
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) -> int:
+def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, engine_b: Engine | None) -> int:
     from .kernels import BACKENDS
     from .loading import DTYPES, encode_prompt
 
@@ -374,6 +397,12 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) 
                 s.config(a.max_new_tokens, a.temperature, a.seed).validate()
             except ValueError as exc:
                 raise BenchError(str(exc)) from None
+    b_names = [s.name for s in strategies if s.drafter_b]
+    if b_names and a.drafter_b is None and engine_b is None:
+        raise BenchError(f"{', '.join(b_names)} run on a second drafter: pass --drafter-b DIR")
+    if a.drafter_b is not None and not b_names:
+        raise BenchError("--drafter-b is only read by strategies named NAME@b: add some, as in "
+                         "--strategies ar,bastion,bastion@b")
     if a.dtype not in DTYPES:
         raise BenchError(f"unknown dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
     if a.kernels not in BACKENDS:
@@ -384,6 +413,8 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) 
         raise BenchError(f"--out {out_dir} exists and is not a folder")
 
     engine = engine or _load_engine(a, strategies, DTYPES[a.dtype])
+    if b_names and engine_b is None:
+        engine_b = _load_engine_b(a, engine)
     encode = encode or (lambda text: encode_prompt(engine.target.tokenizer, text))
     cases = [PromptCase(c, i, text, list(encode(text))) for c, prompts in suite.items() for i, text in enumerate(prompts)]
     limit = engine.target.max_positions
@@ -392,7 +423,7 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None) 
             raise BenchError(f"prompt {case.category}[{case.index}] has {len(case.ids)} tokens: with "
                              f"--max-new-tokens {a.max_new_tokens} it exceeds the model's context of {limit}")
     out = run_suite(engine, cases, strategies, a.max_new_tokens, a.temperature, a.repeats, a.seed,
-                    _command(a, out_dir), progress=not a.no_progress)
+                    _command(a, out_dir), progress=not a.no_progress, engine_b=engine_b)
     paths = write_report(out, out_dir)
     print(markdown(out.results))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -411,10 +442,26 @@ def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
         raise BenchError(f"cannot load: {exc}") from None
     if drafter is not None:
         use_skinny_linear(drafter, drafter_linear(a))
-    needy = [s.name for s in strategies if s.kind not in ("ar", "hf")]
+    needy = [s.name for s in strategies if s.kind not in ("ar", "hf") and not s.drafter_b]
     if drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
     return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
+
+
+def _load_engine_b(a, engine: Engine) -> Engine:
+    """The engine of ``--drafter-b``: that drafter (and the datastore beside it) on ``engine``'s target."""
+    from .loading import load_default_datastore, load_default_drafter
+
+    try:
+        drafter = load_default_drafter(engine.target, a.drafter_b, a.model)
+        datastore = load_default_datastore(engine.target, a.drafter_b, a.model)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot load --drafter-b: {exc}") from None
+    use_skinny_linear(drafter, drafter_linear(a))
+    engine_b = Engine(engine.target, drafter, kernels=a.kernels, datastore=datastore)
+    if engine.drafter is not None:  # engine_b's constructor set its drafter's feature layers; the engines
+        engine.target.set_feature_layers(engine.drafter.cfg.target_layer_ids)  # switch per run (generate)
+    return engine_b
 
 
 def drafter_linear(a) -> str:
@@ -432,7 +479,7 @@ def _command(a, out_dir: Path) -> str:
             "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels,
             "--linear", a.linear, "--drafter-linear", drafter_linear(a)]
     for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
-                        ("--device", a.device)):
+                        ("--drafter-b", a.drafter_b), ("--device", a.device)):
         if value is not None:
             argv += [flag, str(value)]
     if a.hf_baselines:

@@ -400,6 +400,9 @@ class Engine:
         limit = self.target.max_positions
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+        if self.drafter is not None and self.target.feature_layers != list(self.drafter.cfg.target_layer_ids):
+            # another engine on the same target (bench --drafter-b) may have set its drafter's layers
+            self.target.set_feature_layers(self.drafter.cfg.target_layer_ids)
         self.prepare(cfg)  # before the clock starts: one-time calibration, not decode time
         caller_threads = torch.get_num_threads()
         if self.adapt_threads and self.threads is None and caller_threads > 1:

@@ -201,6 +201,11 @@ class Target:
     def _decoder_layers(self):
         return self.model.get_decoder().layers
 
+    @property
+    def feature_layers(self) -> list[int]:
+        """The decoder layers (0-based) whose outputs every forward captures."""
+        return list(self._feature_layers)
+
     def set_feature_layers(self, layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers (0-based) in every forward."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]

@@ -87,6 +87,41 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     assert engine.target.prefill(torch.tensor([1, 2, 3])).features is not None
 
 
+def test_drafter_b_runs_its_strategies_on_a_second_engine_in_the_same_turns(tmp_path):
+    target = tiny_target("llama", dtype=torch.float64, seed=3)
+    engine = Engine(target, tiny_drafter(target, block_size=6), kernels="torch", stop_ids=set())
+    # another drafter reading three target layers, not two: each run must switch the captured layers
+    engine_b = Engine(target, tiny_drafter(target, block_size=5, seed=7, features=3), kernels="torch", stop_ids=set())
+    assert target.feature_layers == list(engine_b.drafter.cfg.target_layer_ids) != list(engine.drafter.cfg.target_layer_ids)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"chat": ["hello there", "how are you"], "code": ["def f(x):"]}))
+    out = tmp_path / "out"
+    a = bench_args("--prompts", str(prompts), "--strategies", "ar,chain,bastion,chain@b,bastion@b", "--max-new-tokens", "8",
+                   "--out", str(out))
+    assert bench.run_bench(a, engine=engine, encode=encode, engine_b=engine_b) == 0
+
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["strategies"]) == ["ar", "chain", "bastion", "chain@b", "bastion@b"]
+    for name, st in res["strategies"].items():
+        assert st["match_ar"] == 1.0 and st["tokens"] == 3 * 8, name
+    # chain drafts a whole block: 6 nodes with the first drafter, 5 with the second
+    assert res["strategies"]["chain"]["mean_tree_size"] == 6.0 and res["strategies"]["chain@b"]["mean_tree_size"] == 5.0
+    assert res["machine"]["row_padding_b"] is not None and engine_b.calibrators and engine.calibrators
+    with gzip.open(out / "rounds.csv.gz", "rt") as fh:
+        assert {"bastion", "bastion@b", "chain@b"} <= {r["strategy"] for r in csv.DictReader(fh)}
+
+
+def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
+    found = {s.name: s for s in bench.parse_strategies("bastion,bastion@b,fixed:8@b,bastion:nods:nopad@b")}
+    assert list(found) == ["ar", "bastion", "bastion@b", "fixed:8@b", "bastion:nods:nopad@b"]
+    assert [s.drafter_b for s in found.values()] == [False, False, True, True, True]
+    assert found["fixed:8@b"].budget == 8 and not found["bastion:nods:nopad@b"].datastore
+    assert not found["bastion:nods:nopad@b"].pad_rows
+    with pytest.raises(ValueError, match="needs engine_b|need engine_b"):
+        bench.run_suite(Engine.__new__(Engine), [bench.PromptCase("chat", 0, "x", [1])],
+                        bench.parse_strategies("ar,bastion@b"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompts", "{missing}"], "does not exist"),
     (["--prompts", "{broken}"], "not valid JSON"),
@@ -104,6 +139,10 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--limit-per-category", "0"], "--limit-per-category"),
     (["--temperature", "-1"], "temperature"),
+    (["--strategies", "ar,bastion@b"], "pass --drafter-b"),
+    (["--strategies", "ar@b"], "only drafting strategies run on --drafter-b"),
+    (["--strategies", "hf_generate@b"], "only drafting strategies run on --drafter-b"),
+    (["--strategies", "ar,bastion", "--drafter-b", "{good}"], "strategies named NAME@b"),
 ])
 def test_bad_input_exits_2_before_loading(argv, message, tmp_path, capsys, monkeypatch):
     files = {"missing": tmp_path / "nope.json", "broken": tmp_path / "broken.json", "list": tmp_path / "list.json",

@@ -28,11 +28,12 @@ def tiny_target(family: str = "llama", vocab: int = 97, dtype=torch.float64, see
     return Target(model.eval(), tokenizer=None)
 
 
-def tiny_drafter(target: Target, block_size: int = 6, layers: int = 1, seed: int = 1, dtype=None) -> DFlashDrafter:
+def tiny_drafter(target: Target, block_size: int = 6, layers: int = 1, seed: int = 1, dtype=None,
+                 features: int = 2) -> DFlashDrafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=48, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
-                        target_layer_ids=spread_layer_ids(target.num_layers, 2), mask_token_id=target.vocab_size - 1,
+                        target_layer_ids=spread_layer_ids(target.num_layers, features), mask_token_id=target.vocab_size - 1,
                         num_target_layers=target.num_layers, block_size=block_size)
     return DFlashDrafter(cfg).to(dtype or target.dtype).eval()
 
