@@ -431,37 +431,39 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
 
 
 def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
-    from .loading import load_default_datastore, load_default_drafter, load_target
+    from .loading import load_target
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
         target = load_target(a.model, dtype, a.device, progress=log, linear=a.linear)
-        drafter = load_default_drafter(target, a.drafter, a.model)
-        datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load: {exc}") from None
-    if drafter is not None:
-        use_skinny_linear(drafter, drafter_linear(a))
+    engine = _engine_on(a, target, a.drafter, "")
     needy = [s.name for s in strategies if s.kind not in ("ar", "hf") and not s.drafter_b]
-    if drafter is None and needy:
+    if engine.drafter is None and needy:
         raise BenchError(f"{', '.join(needy)} need a drafter: pass --drafter (or bench ar and the hf baselines only)")
-    return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
+    return engine
 
 
 def _load_engine_b(a, engine: Engine) -> Engine:
-    """The engine of ``--drafter-b``: that drafter (and the datastore beside it) on ``engine``'s target."""
+    """The engine of ``--drafter-b`` on ``engine``'s target (each request captures its own drafter's
+    feature layers: :meth:`Engine.generate`)."""
+    return _engine_on(a, engine.target, a.drafter_b, " --drafter-b")
+
+
+def _engine_on(a, target, drafter_name: str | None, flag: str) -> Engine:
+    """An engine on ``target`` with the named drafter (the shipped one for the embedded model when None)
+    and the datastore stored beside it, the drafter's products in :func:`drafter_linear`'s mode."""
     from .loading import load_default_datastore, load_default_drafter
 
     try:
-        drafter = load_default_drafter(engine.target, a.drafter_b, a.model)
-        datastore = load_default_datastore(engine.target, a.drafter_b, a.model)
+        drafter = load_default_drafter(target, drafter_name, a.model)
+        datastore = load_default_datastore(target, drafter_name, a.model) if drafter is not None else None
     except (OSError, ValueError) as exc:
-        raise BenchError(f"cannot load --drafter-b: {exc}") from None
-    use_skinny_linear(drafter, drafter_linear(a))
-    engine_b = Engine(engine.target, drafter, kernels=a.kernels, datastore=datastore)
-    if engine.drafter is not None:  # engine_b's constructor set its drafter's feature layers; the engines
-        engine.target.set_feature_layers(engine.drafter.cfg.target_layer_ids)  # switch per run (generate)
-    return engine_b
+        raise BenchError(f"cannot load{flag}: {exc}") from None
+    if drafter is not None:
+        use_skinny_linear(drafter, drafter_linear(a))
+    return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
 
 
 def drafter_linear(a) -> str:
