@@ -8,6 +8,7 @@ layers are kept, never the whole stack.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +224,33 @@ class Target:
         def hook(_module, _inputs, output):
             self._captured[idx] = output[0] if isinstance(output, tuple) else output
         return hook
+
+    @contextlib.contextmanager
+    def feature_stream(self, layer_ids: list[int]):
+        """While open, every forward's outputs of decoder layers ``layer_ids`` are kept; yields a function
+        returning them joined: [b, L, k·h], L the positions of all forwards in call order.
+
+        For batched generation of training data: ``generate``'s prefill [b, W] and its one-token steps
+        [b, 1] together hold the features of every position it read, so no second forward over the
+        finished sequences is needed (on the embedded target it had cost ~40% of a shard's time)."""
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} out of range for a {self.num_layers}-layer target")
+        chunks: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
+
+        def keep(i):
+            def hook(_module, _inputs, output):
+                chunks[i].append(output[0] if isinstance(output, tuple) else output)
+            return hook
+
+        layers = self._decoder_layers()
+        hooks = [layers[i].register_forward_hook(keep(i)) for i in dict.fromkeys(layer_ids)]
+        try:
+            yield lambda: torch.cat([torch.cat(chunks[i], dim=1) for i in layer_ids], dim=-1)
+        finally:
+            for h in hooks:
+                h.remove()
+            self._captured.clear()
 
     def _collect_features(self) -> torch.Tensor | None:
         if not self._feature_layers:

@@ -21,7 +21,7 @@ import torch
 
 from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
 from .loading import DEV_PROMPTS, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt
-from .target import Target
+from .target import Target, growing_cache
 
 
 def _eval_prompt_set() -> set[str]:
@@ -89,7 +89,8 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
         with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + r)
             gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=True,
-                                 temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad)[:, width:]
+                                 temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad,
+                                 past_key_values=growing_cache(model.config))[:, width:]
         for g in gen.tolist():
             for q in parse_requests(tok.decode(g, skip_special_tokens=True)):
                 if q not in seen and q not in exclude and len(out) < n:
@@ -161,20 +162,49 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
         path = out / f"shard_{s:05d}.pt"
         if path.exists():
             continue
-        chunk = prompts[s * batch:(s + 1) * batch]
-        enc = [encode_prompt(tok, p) for p in chunk]
-        ids, att = _left_pad(enc, pad)
-        ids, att = ids.to(target.device), att.to(target.device)
-        width = ids.shape[1]
-        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad)[:, width:]
-        seqs = []
-        for e, g in zip(enc, gen.tolist()):
-            stop = next((i for i, t in enumerate(g) if t in (tok.eos_token_id, pad)), len(g) - 1)
-            seqs.append(e + g[:stop + 1])
-        atomic_save(_records(target, seqs, [len(e) for e in enc], pad, features, check), path)
+        enc = [encode_prompt(tok, p) for p in prompts[s * batch:(s + 1) * batch]]
+        atomic_save(_shard(target, model, enc, pad, max_new_tokens, layer_ids, features, check), path)
         progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
+
+
+def _shard(target: Target, model, enc: list[list[int]], pad: int, max_new_tokens: int, layer_ids: list[int],
+           features: bool, check: bool) -> list[dict]:
+    """The records of one batch of encoded prompts: ``model``'s greedy replies (each up to and
+    including its first end-of-text or pad token, at most ``max_new_tokens``).
+
+    When the target itself writes the replies and features are wanted, they are kept as ``generate``
+    computes them (``Target.feature_stream``): its prefill and steps read every token of every reply
+    once, left-padded; asking for one token more than kept, with no early stop (``eos_token_id=None``:
+    text after an end token is cut off here), makes the last kept token one that was read too. They
+    equal a separate forward over the finished sequences up to float rounding (~1e-7 relative;
+    tests) at ~40% less time a shard. Otherwise (a bf16 copy writes, or ids only) ``_records`` runs
+    that forward, which also checks every token against the target's own greedy choice."""
+    ids, att = _left_pad(enc, pad)
+    ids, att = ids.to(target.device), att.to(target.device)
+    width = ids.shape[1]
+    stream = features and not check
+    # the cache appends in place instead of copying itself every step (the replies are the same)
+    args = dict(input_ids=ids, attention_mask=att, do_sample=False, pad_token_id=pad,
+                past_key_values=growing_cache(model.config))
+    if stream:
+        with target.feature_stream(layer_ids) as streamed:
+            gen = model.generate(**args, max_new_tokens=max_new_tokens + 1, eos_token_id=None)
+            feats = streamed()
+    else:
+        gen = model.generate(**args, max_new_tokens=max_new_tokens)
+    seqs = []
+    for e, g in zip(enc, gen[:, width:width + max_new_tokens].tolist()):
+        stop = next((i for i, t in enumerate(g) if t in (target.tokenizer.eos_token_id, pad)), len(g) - 1)
+        seqs.append(e + g[:stop + 1])
+    if not stream:
+        return _records(target, seqs, [len(e) for e in enc], pad, features, check)
+    records = []
+    for e, q, f in zip(enc, seqs, feats.cpu()):
+        start = width - len(e)  # left padding
+        records.append({"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": len(e),
+                        "feats": f[start:start + len(q)].to(torch.float16).clone()})
+    return records
 
 
 def _refuse_other_settings(out: Path, meta: dict, keys: tuple[str, ...], defaults: dict | None = None) -> None:

@@ -708,6 +708,44 @@ def test_checked_records_mark_exactly_the_tokens_the_target_would_not_have_writt
     assert "feats" not in _records(target, [bent], [4], pad=0, features=False, check=True)[0]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_shard_keeps_the_features_generate_computed_and_they_equal_a_separate_forward(family):
+    """``_shard`` with the target writing: each reply is the prompt's own greedy continuation, cut at
+    its first end token (one prompt ends early, the others run to the limit), and the streamed
+    features of every kept token equal ``_records``' forward over the finished sequences."""
+    from types import SimpleNamespace
+
+    from bastion.traindata import _records, _shard
+
+    target = tiny_target(family, vocab=64, dtype=torch.float32, layers=3)
+    enc = [[5, 9, 2, 7], [3, 4], [8, 1, 6, 2, 2, 9]]
+    alone = []
+    with torch.inference_mode():
+        for e in enc:
+            g = target.model.generate(input_ids=torch.tensor([e]), max_new_tokens=10, do_sample=False,
+                                      pad_token_id=0)[0, len(e):].tolist()
+            alone.append(g)
+    # an end token that the first reply writes early and the others never write
+    end = next(t for t in alone[0][1:6] if t != 0 and all(t not in g for g in alone[1:]))
+    target.tokenizer = SimpleNamespace(eos_token_id=end)
+    recs = _shard(target, target.model, enc, pad=0, max_new_tokens=10, layer_ids=[0, 2], features=True,
+                  check=False)
+    for e, g, r in zip(enc, alone, recs):
+        stop = next((i for i, t in enumerate(g) if t in (end, 0)), len(g) - 1)
+        assert r["ids"].tolist() == e + g[:stop + 1] and r["prompt_len"] == len(e)
+    assert len(recs[0]["ids"]) < len(enc[0]) + 10 and len(recs[1]["ids"]) == len(enc[1]) + 10
+    target.set_feature_layers([0, 2])
+    ref = _records(target, [r["ids"].tolist() for r in recs], [len(e) for e in enc], pad=0)
+    for r, want in zip(recs, ref):
+        assert r["feats"].dtype == torch.float16 and r["feats"].shape == (len(r["ids"]), 2 * target.hidden_size)
+        torch.testing.assert_close(r["feats"].float(), want["feats"].float(), rtol=2e-3, atol=2e-3)
+    # ids only, or a copy writing: the separate forward makes the records as before
+    plain = _shard(target, target.model, enc, pad=0, max_new_tokens=10, layer_ids=[0, 2], features=False,
+                   check=False)
+    assert [p["ids"].tolist() for p in plain] == [r["ids"].tolist() for r in recs]
+    assert all("feats" not in p for p in plain)
+
+
 def test_a_batch_drops_the_labels_at_and_past_a_disagreement_in_each_block():
     """make_batch: with ``agree`` False at position m, a block anchored at a keeps its depth-k label
     iff a + k < m or a ≥ m; records without ``agree`` keep every label."""
