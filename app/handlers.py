@@ -14,7 +14,8 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from bastion.engine import STRATEGIES, TOPK_RECORDED, GenerationConfig
+from bastion.config import STRATEGIES, GenerationConfig
+from bastion.engine import TOPK_RECORDED
 
 from . import figures
 from .engine_glue import THIS_MACHINE, Runtime, cost_curves, replan

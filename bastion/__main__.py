@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .engine import STRATEGIES, GenerationConfig
+from .config import STRATEGIES, GenerationConfig
 
 
 class UsageError(Exception):

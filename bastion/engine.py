@@ -11,13 +11,13 @@ import atexit
 import gc
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from .calibration import AcceptanceCalibrator
+from .config import GenerationConfig, stop_token_ids
 from .drafter import DFlashDrafter, DrafterCache
 from .datastore import NgramPrior
 from .draft_policy import DraftDepth, DraftGate
@@ -27,100 +27,14 @@ from .kernels import get_kernels
 from .kernels.reference import GumbelRows
 from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
 from .lookup import CopySources, LookupStats
+from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency
 from .records import GenerationResult, StageTimes, Step
 from .target import Target
 from .threads import ThreadGovernor
 from .tree import DraftTree
-from .verify import Acceptance, SamplingParams, accept
+from .verify import Acceptance, accept
 
-STRATEGIES = ("ar", "chain", "fixed", "bastion")
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
-PROBE_ROWS = 16          # Engine.probe_latency times every row count 1..PROBE_ROWS (RowPadding) ...
-PROBE_SIZES = (32, 64)   # ... and these larger trees, so C(n)'s slope is measured
-# ... after this many context tokens: a decode's typical context (prompt + up to 128 new tokens), not
-# a nearly empty cache — at 32 tokens the rows' costs ranked differently (3 rows dearer than 4) than
-# at 150, and trees were padded into dearer row counts (bench/NOTES.md, session 12)
-PROBE_CONTEXT = 128
-PROBE_REPEATS = 5
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What to generate and how. ``budget`` (draft nodes, root excluded) is used by 'fixed';
-    'bastion' grows up to ``max_nodes`` draft nodes and stops by the throughput rule."""
-
-    strategy: str = "bastion"
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int = 0
-    budget: int = 32
-    max_nodes: int = 128
-    min_nodes: int = 0
-    lookahead: int = 8
-    skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
-    calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
-    lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
-    lookup_ngram: int = 3    # longest context suffix matched
-    lookup_tokens: int = 10  # most tokens proposed (by prompt lookup and by the datastore)
-    datastore: bool = True   # bastion: add the datastore's proposal when the engine has one, see datastore.py
-    condition: bool = True   # bastion at T = 0: re-weight each node's children by the datastore's n-grams (datastore.NgramPrior)
-    pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
-    adaptive_depth: bool = True  # bastion: draft only the depths recent trees reach, see DraftDepth
-
-    def validate(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
-        if self.max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
-        if self.lookup_ngram < 1 or self.lookup_tokens < 1:
-            raise ValueError(f"lookup_ngram and lookup_tokens must be >= 1, got {self.lookup_ngram}, {self.lookup_tokens}")
-        self.sampling.validate()
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
-
-
-
-class Timer:
-    """Accumulates wall time per stage; synchronises CUDA so GPU work is counted where it runs."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    @contextmanager
-    def __call__(self, times: StageTimes, stage: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            setattr(times, stage, getattr(times, stage) + time.perf_counter() - t0)
-
-
-def stop_token_ids(tokenizer, model_config=None) -> set[int]:
-    """EOS ids of the generation config and tokenizer, plus chat end-of-turn tokens in the vocabulary."""
-    ids: set[int] = set()
-    for source in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):
-            if tok in vocab:
-                ids.add(vocab[tok])
-    return ids
 
 
 def freeze_heap() -> None:
@@ -331,46 +245,10 @@ class Engine:
 
     def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES,
                       context: int = PROBE_CONTEXT, repeats: int = PROBE_REPEATS) -> None:
-        """Time verifications of 1..max_rows rows and of a few larger trees on a dummy context.
-
-        Two uses of the same forwards. (1) The row-padding table (:class:`RowPadding`): on a CPU a
-        forward over 3 rows can cost more than over 5, and the engine then runs small trees padded.
-        (2) C(n)'s slope: online calibration fits C(n) from the rounds that ran, but a slope needs
-        different n; after AR rounds only (n = 1), or on a fresh engine, C(n) would come from the
-        analytic prior alone. The timings fed to the model are also kept as its anchors
-        (:attr:`LatencyModel.anchors`), fed in again, scaled to the host's present speed, whenever
-        its window alone cannot tell the slope. Sizes are timed in passes (a warm-up pass, then
-        ``repeats`` timed ones, each in a rotated order so drift hits every size alike); each size
-        keeps its median time. (Its fastest, used until session 14, is an extreme value: on a loaded
-        host a lucky pass made 10 rows look cheaper than 8 or 9 and two rows cheaper than one, and the
-        table padded trees and AR's steps to row counts that cost more in the run that followed;
-        bench/NOTES.md.) The latency model is fed the sizes padding keeps plus ``sizes``. For the
-        embedded target on 2 CPU cores a few seconds (~12 s on an AVX2 one). Leaves the cache empty.
-        """
-        target = self.target
-        max_rows = max(1, min(max_rows, target.max_positions - 2))
-        sizes = [s for s in sizes if max_rows < s and s + 2 <= target.max_positions]
-        every = list(range(1, max_rows + 1)) + sizes
-        context = max(1, min(context, target.max_positions - max(every) - 1))
-        target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
-        times: dict[int, list[float]] = {s: [] for s in every}
-        for rep in range(repeats + 1):
-            shift = (rep * 7) % len(every)
-            for s in every[shift:] + every[:shift]:
-                parents = list(range(-1, s - 1))  # a chain: the mask's shape does not change the cost
-                mask, pos = self.kernels.tree_mask(parents, context, target.dtype, target.device)
-                tokens = torch.arange(s, device=target.device) % target.vocab_size
-                t = StageTimes()
-                with self.timer(t, "verify"):
-                    target.forward_tree(tokens, mask, pos)
-                target.commit(context, [])
-                if rep > 0:
-                    times[s].append(t.verify)
-        target.reset()
-        best = {s: statistics.median(v) for s, v in times.items()}
-        self.padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
-        self.latency.observe_many([(s, context, best[s]) for s in sorted(set(self.padding.padded) | set(sizes))],
-                                 anchor=True)
+        """Measure the target's row costs (:func:`probe.probe_latency`): the row-padding table this
+        engine verifies with, and anchors of C(n) fed to its latency model."""
+        self.padding = probe_latency(self.target, self.kernels, self.timer, self.latency, max_rows, sizes,
+                                     context, repeats)
 
     def prepare(self, cfg: GenerationConfig) -> None:
         """One-time work a run needs before its clock starts: a drafting run on an engine that has not

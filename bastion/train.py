@@ -248,7 +248,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
         target.set_feature_layers(feature_ids)
     blocks = list(cfg.blocks or [drafter.block_size])
     drafter.to(target.device)  # parameters and buffers, the draft vocabulary included
-    from .engine import stop_token_ids
+    from .config import stop_token_ids
     stops = stop_token_ids(target.tokenizer, target.model.generation_config)
     if cfg.draft_vocab and not state_path.exists():
         _fit_vocab(drafter, records, cfg.draft_vocab, target.vocab_size, stops)

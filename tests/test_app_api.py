@@ -231,7 +231,7 @@ def test_run_handler_shows_bad_settings_in_the_page():
 
 
 def test_bastion_run_probes_the_latency_slope_after_ar_rounds():
-    from bastion.engine import PROBE_ROWS, PROBE_SIZES
+    from bastion.probe import PROBE_ROWS, PROBE_SIZES
     rt = tiny_runtime()
     ids = rt.encode("calibration")
     ar = list(rt.stream(ids, GenerationConfig(strategy="ar", max_new_tokens=6)))

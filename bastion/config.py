@@ -1,0 +1,70 @@
+"""What a request asks for: the strategy and its settings (:class:`GenerationConfig`), and the tokens
+that end a reply (:func:`stop_token_ids`). Plain data, no model: the engine, the app, the benchmark
+and the command line all read the same settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .verify import SamplingParams
+
+STRATEGIES = ("ar", "chain", "fixed", "bastion")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how. ``budget`` (draft nodes, root excluded) is used by 'fixed';
+    'bastion' grows up to ``max_nodes`` draft nodes and stops by the throughput rule."""
+
+    strategy: str = "bastion"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+    budget: int = 32
+    max_nodes: int = 128
+    min_nodes: int = 0
+    lookahead: int = 8
+    skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
+    calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
+    lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
+    lookup_ngram: int = 3    # longest context suffix matched
+    lookup_tokens: int = 10  # most tokens proposed (by prompt lookup and by the datastore)
+    datastore: bool = True   # bastion: add the datastore's proposal when the engine has one, see datastore.py
+    condition: bool = True   # bastion at T = 0: re-weight each node's children by the datastore's n-grams (datastore.NgramPrior)
+    pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
+    adaptive_depth: bool = True  # bastion: draft only the depths recent trees reach, see DraftDepth
+
+    def validate(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if self.lookup_ngram < 1 or self.lookup_tokens < 1:
+            raise ValueError(f"lookup_ngram and lookup_tokens must be >= 1, got {self.lookup_ngram}, {self.lookup_tokens}")
+        self.sampling.validate()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+def stop_token_ids(tokenizer, model_config=None) -> set[int]:
+    """EOS ids of the generation config and tokenizer, plus chat end-of-turn tokens in the vocabulary."""
+    ids: set[int] = set()
+    for source in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):
+            if tok in vocab:
+                ids.add(vocab[tok])
+    return ids

@@ -1,0 +1,86 @@
+"""Timing: the per-stage timer of a round, and the latency probe that measures a target's row costs
+once per engine (the row-padding table and the anchors of C(n); ``Engine.prepare`` decides when)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .latency import LatencyModel, RowPadding
+from .records import StageTimes
+from .target import Target
+
+PROBE_ROWS = 16          # probe_latency times every row count 1..PROBE_ROWS (RowPadding) ...
+PROBE_SIZES = (32, 64)   # ... and these larger trees, so C(n)'s slope is measured
+# ... after this many context tokens: a decode's typical context (prompt + up to 128 new tokens), not
+# a nearly empty cache — at 32 tokens the rows' costs ranked differently (3 rows dearer than 4) than
+# at 150, and trees were padded into dearer row counts (bench/NOTES.md, session 12)
+PROBE_CONTEXT = 128
+PROBE_REPEATS = 5
+
+
+class Timer:
+    """Accumulates wall time per stage; synchronises CUDA so GPU work is counted where it runs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, times: StageTimes, stage: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            setattr(times, stage, getattr(times, stage) + time.perf_counter() - t0)
+
+
+def probe_latency(target: Target, kernels, timer: Timer, latency: LatencyModel, max_rows: int = PROBE_ROWS,
+                  sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT,
+                  repeats: int = PROBE_REPEATS) -> RowPadding:
+    """Time verifications of 1..max_rows rows and of a few larger trees on a dummy context.
+
+    Two uses of the same forwards. (1) The row-padding table (:class:`RowPadding`): on a CPU a
+    forward over 3 rows can cost more than over 5, and the engine then runs small trees padded.
+    (2) C(n)'s slope: online calibration fits C(n) from the rounds that ran, but a slope needs
+    different n; after AR rounds only (n = 1), or on a fresh engine, C(n) would come from the
+    analytic prior alone. The timings fed to the model are also kept as its anchors
+    (:attr:`LatencyModel.anchors`), fed in again, scaled to the host's present speed, whenever
+    its window alone cannot tell the slope. Sizes are timed in passes (a warm-up pass, then
+    ``repeats`` timed ones, each in a rotated order so drift hits every size alike); each size
+    keeps its median time. (Its fastest, used until session 14, is an extreme value: on a loaded
+    host a lucky pass made 10 rows look cheaper than 8 or 9 and two rows cheaper than one, and the
+    table padded trees and AR's steps to row counts that cost more in the run that followed;
+    bench/NOTES.md.) The latency model is fed the sizes padding keeps plus ``sizes``. For the
+    embedded target on 2 CPU cores a few seconds (~12 s on an AVX2 one). Leaves the cache empty;
+    returns the padding table.
+    """
+    max_rows = max(1, min(max_rows, target.max_positions - 2))
+    sizes = [s for s in sizes if max_rows < s and s + 2 <= target.max_positions]
+    every = list(range(1, max_rows + 1)) + sizes
+    context = max(1, min(context, target.max_positions - max(every) - 1))
+    target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
+    times: dict[int, list[float]] = {s: [] for s in every}
+    for rep in range(repeats + 1):
+        shift = (rep * 7) % len(every)
+        for s in every[shift:] + every[:shift]:
+            parents = list(range(-1, s - 1))  # a chain: the mask's shape does not change the cost
+            mask, pos = kernels.tree_mask(parents, context, target.dtype, target.device)
+            tokens = torch.arange(s, device=target.device) % target.vocab_size
+            t = StageTimes()
+            with timer(t, "verify"):
+                target.forward_tree(tokens, mask, pos)
+            target.commit(context, [])
+            if rep > 0:
+                times[s].append(t.verify)
+    target.reset()
+    best = {s: statistics.median(v) for s, v in times.items()}
+    padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
+    latency.observe_many([(s, context, best[s]) for s in sorted(set(padding.padded) | set(sizes))], anchor=True)
+    return padding
