@@ -21,7 +21,8 @@ import torch
 
 from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
 from .loading import DEV_PROMPTS, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt
-from .target import Target, growing_cache
+from .kvcache import growing_cache
+from .target import Target
 
 
 def _eval_prompt_set() -> set[str]:

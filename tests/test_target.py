@@ -1,4 +1,4 @@
-"""The target's KV cache: rows appended in place (target.GrowingLayer) instead of transformers' cat."""
+"""The target's KV cache: rows appended in place (kvcache.GrowingLayer) instead of transformers' cat."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from bastion.kernels import get_kernels
-from bastion.target import GrowingLayer
+from bastion.kvcache import GrowingLayer
 from tiny import tiny_target
 
 
