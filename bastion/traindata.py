@@ -128,12 +128,13 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
               seed: int = 0, corpus: str = "base", features: bool = True,
               gen_dtype: torch.dtype | None = None) -> None:
     """Write shards of {ids, prompt_len[, feats][, agree]} records (see the module docstring);
-    ``features=False`` stores token ids only, for ``fit --live-features``.
+    ``features=False`` stores token ids only, for ``fit --live-features``. Each shard is one batch
+    (``_shard``); with the target itself writing, its features come from the generation's own forwards.
 
     ``gen_dtype`` (e.g. bfloat16; default the target's dtype): write the requests and continuations
     with a copy of the target in that dtype — on a CPU with AMX, bf16 generation at batch 64 wrote
-    534 tokens/s against float32's 220–273 at batch 32 (session 27, 64 new tokens). Its greedy path leaves the target's now and then (on 18 of 32 replies
-    within 64 tokens), so the records' forward, in the target's own dtype, also checks every reply
+    534 tokens/s against float32's 220–273 at batch 32 (session 27, 64 new tokens). Its greedy path
+    leaves the target's now and then (on 18 of 32 replies within 64 tokens), so the records' forward, in the target's own dtype, also checks every reply
     token against the target's greedy choice: ``agree`` [n] bool marks the tokens the target itself
     would have written after the text before them, and ``distill.make_batch`` drops every label at
     or past a disagreement inside a block — what is trained stays the target's own greedy output."""
