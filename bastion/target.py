@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from .kernels import cpu_native
-from .kvcache import growing_cache
 from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attention
 from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
 from .kernels.cpu_modules import use_native_modules
+from .kvcache import growing_cache
 
 HEAD_SLICES = 4  # lm_head(rows=...) slices kept: a drafter's vocabulary, a request's extra rows, and spares
 
@@ -157,9 +157,7 @@ class Target:
 
     def set_feature_layers(self, layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers (0-based) in every forward."""
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"feature layer ids {bad} out of range for a {self.num_layers}-layer target")
+        self._check_layer_ids(layer_ids)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -167,6 +165,11 @@ class Target:
         layers = self._decoder_layers()
         for i in self._feature_layers:
             self._hooks.append(layers[i].register_forward_hook(self._make_hook(i)))
+
+    def _check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} out of range for a {self.num_layers}-layer target")
 
     def _make_hook(self, idx: int):
         def hook(_module, _inputs, output):
@@ -181,9 +184,7 @@ class Target:
         For batched generation of training data: ``generate``'s prefill [b, W] and its one-token steps
         [b, 1] together hold the features of every position it read, so no second forward over the
         finished sequences is needed (on the embedded target it had cost ~40% of a shard's time)."""
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"feature layer ids {bad} out of range for a {self.num_layers}-layer target")
+        self._check_layer_ids(layer_ids)
         chunks: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
 
         def keep(i):
@@ -198,7 +199,7 @@ class Target:
         finally:
             for h in hooks:
                 h.remove()
-            self._captured.clear()
+            self._captured.clear()  # what set_feature_layers' own hooks kept of the last forward
 
     def _collect_features(self) -> torch.Tensor | None:
         if not self._feature_layers:

@@ -134,10 +134,11 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
     ``gen_dtype`` (e.g. bfloat16; default the target's dtype): write the requests and continuations
     with a copy of the target in that dtype — on a CPU with AMX, bf16 generation at batch 64 wrote
     534 tokens/s against float32's 220–273 at batch 32 (session 27, 64 new tokens). Its greedy path
-    leaves the target's now and then (on 18 of 32 replies within 64 tokens), so the records' forward, in the target's own dtype, also checks every reply
-    token against the target's greedy choice: ``agree`` [n] bool marks the tokens the target itself
-    would have written after the text before them, and ``distill.make_batch`` drops every label at
-    or past a disagreement inside a block — what is trained stays the target's own greedy output."""
+    leaves the target's now and then (on 18 of 32 replies within 64 tokens), so the records' forward,
+    in the target's own dtype, also checks every reply token against the target's greedy choice:
+    ``agree`` [n] bool marks the tokens the target itself would have written after the text before
+    them, and ``distill.make_batch`` drops every label at or past a disagreement inside a block — what
+    is trained stays the target's own greedy output."""
     out.mkdir(parents=True, exist_ok=True)
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}")
@@ -179,8 +180,8 @@ def _shard(target: Target, model, enc: list[list[int]], pad: int, max_new_tokens
     computes them (``Target.feature_stream``): its prefill and steps read every token of every reply
     once, left-padded; asking for one token more than kept, with no early stop (``eos_token_id=None``:
     text after an end token is cut off here), makes the last kept token one that was read too. They
-    equal a separate forward over the finished sequences up to float rounding (~1e-7 relative;
-    tests) at ~40% less time a shard. Otherwise (a bf16 copy writes, or ids only) ``_records`` runs
+    equal a separate forward over the finished sequences up to float rounding (stored in fp16: within
+    1e-5 relative on the embedded target; tests) at ~40% less time a shard. Otherwise (a bf16 copy writes, or ids only) ``_records`` runs
     that forward, which also checks every token against the target's own greedy choice."""
     ids, att = _left_pad(enc, pad)
     ids, att = ids.to(target.device), att.to(target.device)

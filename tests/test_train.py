@@ -744,6 +744,8 @@ def test_a_shard_keeps_the_features_generate_computed_and_they_equal_a_separate_
                    check=False)
     assert [p["ids"].tolist() for p in plain] == [r["ids"].tolist() for r in recs]
     assert all("feats" not in p for p in plain)
+    with pytest.raises(ValueError, match="out of range"), target.feature_stream([0, 3]):
+        pass
 
 
 def test_a_batch_drops_the_labels_at_and_past_a_disagreement_in_each_block():
