@@ -21,6 +21,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from .drafter_lean import lean_layers, lean_plan
 from .kernels.cpu_linear import use_skinny_linear
 from .kernels.cpu_modules import use_native_modules
 
@@ -197,6 +198,10 @@ class DrafterCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     pending: list[torch.Tensor] = field(default_factory=list)
+    # the lean CPU loop's per-layer buffers with spare rows, of which keys / values are views
+    # (drafter_lean.lean_layers); the module path leaves them alone
+    kbuf: list[torch.Tensor] = field(default_factory=list)
+    vbuf: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def encoded(self) -> int:
@@ -353,14 +358,19 @@ class DFlashDrafter(nn.Module):
         start = cache.encoded
         # positions of [fresh ; block]: contiguous, the root right after the last context token
         cos, sin = self._cos_sin(x, torch.arange(start, start + m + block, device=device)[None])
-        keys, values = [], []
-        for i, layer in enumerate(self.layers):
-            past = (cache.keys[i], cache.values[i]) if cache.keys else (None, None)
-            x, k, v = layer.step(x, cos, sin, *past, fresh)
-            keys.append(k)
-            values.append(v)
-        cache.keys, cache.values = keys, values
-        hidden = self.norm(x)[0, 1:].to(emb.dtype)
+        plan = lean_plan(self)
+        if plan is not None:  # CPU float32 with native products: the same layers without the modules
+            hidden = lean_layers(self, plan, cache, x[0], None if fresh is None else fresh[0],
+                                 cos[0].contiguous(), sin[0].contiguous())[1:].to(emb.dtype)
+        else:
+            keys, values = [], []
+            for i, layer in enumerate(self.layers):
+                past = (cache.keys[i], cache.values[i]) if cache.keys else (None, None)
+                x, k, v = layer.step(x, cos, sin, *past, fresh)
+                keys.append(k)
+                values.append(v)
+            cache.keys, cache.values = keys, values
+            hidden = self.norm(x)[0, 1:].to(emb.dtype)
         rows = vocab if vocab is not None else self.draft_vocab
         if rows is None:
             logits = lm_head(hidden)

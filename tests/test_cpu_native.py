@@ -178,6 +178,8 @@ def test_bf16_product_is_the_rounded_product(n, k, rows, with_bias):
     w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
     got = cpu_native.linear_bf16(x, cpu_native.pack_bf16(w), n, b)
+    # the hot loops' pre-checked call (the lean drafter) rounds the inputs as linear_bf16 does
+    assert torch.equal(cpu_native.Product(cpu_native.pack_bf16(w), n, b)(x, torch.get_num_threads()), got)
     # exactly bf16-rounded inputs and weights, summed in high precision
     want = F.linear(x.bfloat16().double(), w.bfloat16().double(), None if b is None else b.double()).float()
     assert got.shape == (rows, n)
@@ -250,8 +252,13 @@ def test_widened_bf16_product_is_the_float32_product_of_rounded_weights(n, k, ro
     assert torch.equal(got, cpu_native.linear(x, cpu_native.pack(w.bfloat16().float()), n, b))
     alone = torch.cat([cpu_native.linear_h16(x[i:i + 1], panels, n, b) for i in range(rows)])
     assert torch.equal(got, alone)  # batch-invariant, as the float32 kernel
+    assert torch.equal(cpu_native.Product(panels, n, b)(x, torch.get_num_threads()), got)  # the lean drafter's call
     with pytest.raises(ValueError, match="do not hold"):
         cpu_native.linear_h16(torch.randn(2, k + 1), panels, n)
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu_native.Product(panels, n + 16)
+    with pytest.raises(ValueError, match="linear_h16"):  # linear reads float32 / exact panels only
+        cpu_native.linear(x, panels, n, b)
 
 
 def test_low_precision_mode_packs_bf16_on_every_cpu():

@@ -256,6 +256,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     if lib is None:
         raise RuntimeError(f"native CPU kernel unavailable: {_why}")
     r, k = x.shape
+    if panels.dtype == torch.bfloat16:
+        raise ValueError("bf16 panels are read by linear_h16 / linear_bf16, not linear")
     fn = _product_fn(panels, n, k)
     x = x.contiguous()
     if bias is not None:
@@ -284,7 +286,17 @@ def _product_fn(panels: torch.Tensor, n: int, k: int):
                 or panels.shape[0] * 16 < n:
             raise ValueError(f"compressed panels {tuple(panels.shape)} {panels.dtype} do not hold a [{n}, {k}] weight")
         return getattr(_lib, name)
-    raise ValueError(f"panels of dtype {panels.dtype} are not float32 or exact compressed panels")
+    if panels.dtype == torch.bfloat16 and panels.dim() == 3:  # bf16 weights widened in registers (pack_h16)
+        if panels.shape[1] != k or panels.shape[2] != 16 or panels.shape[0] * 16 < n:
+            raise ValueError(f"bf16 panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+        return _lib.bastion_gemm_h16
+    if panels.dtype == torch.bfloat16 and panels.dim() == 4:  # bf16 pairs (pack_bf16): x rounded too
+        if not bf16_available():
+            raise RuntimeError("bf16 pair panels need AVX512-BF16, which this CPU lacks")
+        if panels.shape[1] * 2 != k or panels.shape[2:] != (16, 2) or panels.shape[0] * 16 < n:
+            raise ValueError(f"bf16 pair panels {tuple(panels.shape)} do not hold a [{n}, {k}] weight")
+        return _lib.bastion_gemm_bf16
+    raise ValueError(f"panels of dtype {panels.dtype} are not float32, exact compressed or bf16 panels")
 
 
 def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
@@ -311,23 +323,29 @@ def pack_exact(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Product:
-    """One weight's float32 product (:func:`linear`) with its checks made once, for a hot loop.
+    """One weight's product (:func:`linear`, :func:`linear_h16`, :func:`linear_bf16`) with its checks
+    made once, for a hot loop.
 
     ``Product(panels, n, bias)(x, threads)`` = ``linear(x, panels, n, bias)`` for x [R, K] float32 on
     the CPU with K = the weight's inputs — the caller's promise (only contiguity is checked). The same
     kernel and arguments, so the same bits; what it drops is ~20 µs of Python a call (module dispatch,
     the fast-path and panel checks, reshapes): ~5 ms of a 40 ms one-row step of the embedded target,
     whose 210 products it runs (``target.Target._lean_forward``). Float32 or exact compressed panels
-    (:func:`pack_exact`). Holds its panels (and bias), so they outlive the module's own cache of them
-    until the caller drops the product."""
+    (:func:`pack_exact`), or a drafter's bf16 panels (:func:`pack_h16`; :func:`pack_bf16`, whose
+    inputs are rounded to bf16 as :func:`linear_bf16` rounds them). Holds its panels (and bias), so
+    they outlive the module's own cache of them until the caller drops the product."""
 
-    __slots__ = ("panels", "bias", "n", "k", "_pp", "_bp", "_fn")
+    __slots__ = ("panels", "bias", "n", "k", "_pp", "_bp", "_fn", "_kc", "_cast")
 
     def __init__(self, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
         if library() is None:
             raise RuntimeError(f"native CPU kernel unavailable: {_why}")
-        k = panels.shape[1] * (QBLOCK if panels.dtype in _EXACT else 1) if panels.dim() == 3 else -1
+        pairs = panels.dtype == torch.bfloat16 and panels.dim() == 4
+        k = (panels.shape[1] * 2 if pairs else
+             panels.shape[1] * (QBLOCK if panels.dtype in _EXACT else 1) if panels.dim() == 3 else -1)
         self._fn = _product_fn(panels, n, k)
+        # the pair kernel counts inputs in pairs and reads them as bf16
+        self._kc, self._cast = (k // 2, torch.bfloat16) if pairs else (k, None)
         if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
             raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} is not {n} float32 values")
         self.panels, self.n, self.k = panels.contiguous(), n, k
@@ -336,11 +354,13 @@ class Product:
         self._bp = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        if self._cast is not None:
+            x = x.to(self._cast)
         if not x.is_contiguous():  # the one check kept: a strided view would be read as rows of K
             x = x.contiguous()
         r = x.shape[0]
         y = torch.empty(r, self.n, dtype=torch.float32)
-        self._fn(x.data_ptr(), r, self._pp, self.n, self.k, self._bp, y.data_ptr(), threads)
+        self._fn(x.data_ptr(), r, self._pp, self.n, self._kc, self._bp, y.data_ptr(), threads)
         return y
 
 
