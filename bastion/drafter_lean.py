@@ -94,7 +94,7 @@ def lean_layers(drafter, plan: list[tuple], cache, x: torch.Tensor, fresh: torch
     threads = torch.get_num_threads()
     keys, values = [], []
     for i, (layer, (qp, kp, vp, op, gp, up, dp)) in enumerate(zip(drafter.layers, plan)):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         d = attn.head_dim
         ln1 = layer.input_layernorm
         h = cpu_native.rms_norm(x, ln1.weight, ln1.variance_epsilon)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DFlashDrafter, load_drafter
+from .drafter import DFlashDrafter
+from .drafter_io import load_drafter
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
 from .lookup import CopySources, NgramIndex
 from .target import Target

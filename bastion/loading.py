@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DFlashDrafter, load_drafter
+from .drafter import DFlashDrafter
+from .drafter_io import load_drafter
 from .embedded import embedded_model_dir
 from .target import Target
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from .corpus import CORPORA
-from .drafter import DFlashDrafter, load_drafter, save_drafter, spread_layer_ids
+from .drafter import DFlashDrafter, spread_layer_ids
+from .drafter_io import load_drafter, save_drafter
 from .distill import make_batch, noisy_features, train_step
 from .drafter_ops import average_drafters, build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
 from .loading import EMBEDDED, load_target
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # before the target loads
     target = load_target(a.model, torch.float32, str(device))
     if a.cmd == "average":
-        from .drafter import load_drafter, save_drafter
+        from .drafter_io import load_drafter, save_drafter
         try:
             drafters = [load_drafter(d, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
                         for d in a.drafter]

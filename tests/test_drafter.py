@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bastion.drafter import load_drafter, save_drafter
+from bastion.drafter_io import load_drafter, save_drafter
 from bastion.engine import Engine, GenerationConfig
 from bastion.distill import make_batch, train_step
 from bastion.drafter_ops import new_drafter

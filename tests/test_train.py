@@ -143,7 +143,7 @@ def test_self_corpus_is_written_once_and_extended(tmp_path):
 @pytest.mark.slow
 def test_data_fit_resume_and_plot_on_the_embedded_target(tmp_path, capsys):
     """data → fit (stops after 2 steps) → fit again resumes at step 2 and continues to 4 → plot."""
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     from bastion.train import main
 
     data, ckpt = tmp_path / "data", tmp_path / "ckpt"
@@ -178,7 +178,7 @@ def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path
     shards the data job wrote meanwhile (a vocabulary refitted on a small new folder would drop tokens
     the drafter learned on all earlier data)."""
     from bastion import train
-    from bastion.drafter import load_drafter, save_drafter
+    from bastion.drafter_io import load_drafter, save_drafter
 
     data = tmp_path / "data"
     common = ["--threads", "1"]
@@ -202,7 +202,7 @@ def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path
 def test_ids_only_data_trains_with_live_features(tmp_path):
     """data --no-features stores token ids only; fit refuses it without --live-features and trains
     on it with the target's features computed per batch."""
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     from bastion.train import main
 
     data, ckpt = tmp_path / "ids", tmp_path / "ckpt"
@@ -228,7 +228,7 @@ def test_ids_only_data_trains_with_live_features(tmp_path):
 def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
     """fit --blocks 3,5: each step trains blocks of 3 or 5 tokens (depths 1..min(D, B'−1)) on the
     16-token drafter; a length the drafter cannot hold is refused before training."""
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     from bastion.train import main
 
     data, ckpt = tmp_path / "data", tmp_path / "ckpt"
@@ -244,7 +244,7 @@ def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
         assert why in capsys.readouterr().err
     # with --init the drafter's own block size bounds them (known once it is loaded)
     init = tmp_path / "init"
-    from bastion.drafter import save_drafter
+    from bastion.drafter_io import save_drafter
     save_drafter(load_drafter(Path(__file__).resolve().parent.parent / "assets" / "drafter-smollm2-135m",
                               576, 49152, 30), init)
     with pytest.raises(ValueError, match="outside"):
@@ -282,7 +282,7 @@ def _two_step_fit_from_the_shipped_drafter(tmp_path) -> list[str]:
 def test_fit_grows_an_init_drafter_and_resumes_only_at_its_size(tmp_path, capsys):
     """fit --init D --layers 3 trains a 3-layer drafter from the shipped 2-layer one and exports it;
     resuming that checkpoint without --layers is refused with the reason, as is --layers 0."""
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     from bastion.train import main
 
     with pytest.raises(SystemExit):
@@ -365,7 +365,7 @@ def test_gpu_train_script_dry_run_on_the_cpu(tmp_path):
     joined.mkdir()
     (joined / "model.safetensors").write_bytes(b"".join(p.read_bytes() for p in parts))
     shutil.copy(out / "drafter.config.json", joined / "config.json")
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     assert load_drafter(joined, 576, 49152, 30).cfg.draft_vocab_size == 8192
 
 
@@ -596,7 +596,7 @@ def test_fit_adds_a_feature_layer_to_an_init_drafter(tmp_path, capsys):
     """fit --init D --add-feature-layers 29 trains the shipped drafter reading the target's last layer
     as well (its features computed per batch from the stored layer 27) and exports a loadable folder;
     resuming without the option, or an id that is not later than the data's, is refused."""
-    from bastion.drafter import load_drafter
+    from bastion.drafter_io import load_drafter
     from bastion.train import main
 
     fit = _two_step_fit_from_the_shipped_drafter(tmp_path)
@@ -616,7 +616,7 @@ def test_fit_adds_a_feature_layer_to_an_init_drafter(tmp_path, capsys):
 def test_average_of_drafters_is_their_mean_and_refuses_strangers(tmp_path, capsys):
     """average_drafters is the element-wise mean (draft vocabulary kept); `train average` writes it as a
     loadable folder; drafters of other shapes or vocabularies, one input, or --out an input are refused."""
-    from bastion.drafter import load_drafter, save_drafter
+    from bastion.drafter_io import load_drafter, save_drafter
     from bastion.drafter_ops import average_drafters, widen_features
     from bastion.train import main
 
