@@ -30,22 +30,38 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, m = self.keys.shape[-2] if self.keys.dim() == 4 else 0, key_states.shape[-2]
-        buf = self._kbuf
-        # a view of the buffer starts at its first row; anything else (a layer replaced from outside,
-        # a batch or shape change) is adopted into fresh buffers
-        if (buf is None or n + m > buf.shape[2] or buf.shape[:2] != key_states.shape[:2]
-                or buf.shape[3] != key_states.shape[3] or (n and self.keys.data_ptr() != buf.data_ptr())):
-            rows = max(n + m + (n + m) // 2, self.min_rows)
-            kbuf = key_states.new_empty(*key_states.shape[:2], rows, key_states.shape[3])
-            vbuf = value_states.new_empty(*value_states.shape[:2], rows, value_states.shape[3])
-            if n:
-                kbuf[:, :, :n] = self.keys
-                vbuf[:, :, :n] = self.values
-            self._kbuf, self._vbuf = kbuf, vbuf
+        self._room(key_states, value_states, n, m)
         self._kbuf[:, :, n:n + m] = key_states
         self._vbuf[:, :, n:n + m] = value_states
         self.keys, self.values = self._kbuf[:, :, :n + m], self._vbuf[:, :, :n + m]
         return self.keys, self.values
+
+    def _room(self, like_k: torch.Tensor, like_v: torch.Tensor, n: int, m: int) -> None:
+        """Buffers shaped like ``like_k`` / ``like_v`` [b, heads, ·, d] with room for n + m rows whose
+        first n are the layer's rows. A view of the buffer starts at its first row; anything else (a
+        layer replaced from outside, a batch or shape change) is adopted into fresh buffers."""
+        buf = self._kbuf
+        if (buf is None or n + m > buf.shape[2] or buf.shape[:2] != like_k.shape[:2]
+                or buf.shape[3] != like_k.shape[3] or (n and self.keys.data_ptr() != buf.data_ptr())):
+            rows = max(n + m + (n + m) // 2, self.min_rows)
+            kbuf = like_k.new_empty(*like_k.shape[:2], rows, like_k.shape[3])
+            vbuf = like_v.new_empty(*like_v.shape[:2], rows, like_v.shape[3])
+            if n:
+                kbuf[:, :, :n] = self.keys
+                vbuf[:, :, :n] = self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+
+    def reserve(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for m more rows after the layer's rows (an initialised layer of 4-D keys), nothing
+        written: the key and value buffers [b, heads, capacity, d], for a writer that fills rows
+        [rows in use, + m) itself (``kernels/cpu_decoder.py``) and then calls :meth:`advance`."""
+        self._room(self.keys, self.values, self.keys.shape[-2], m)
+        return self._kbuf, self._vbuf
+
+    def advance(self, m: int) -> None:
+        """Take m rows written into the buffers after the layer's rows (see :meth:`reserve`)."""
+        n = self.keys.shape[-2] + m
+        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
 
     def reset(self) -> None:
         super().reset()

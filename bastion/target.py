@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from .kernels import cpu_native
 from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attention
+from .kernels.cpu_decoder import NativeDecoder
 from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
 from .kernels.cpu_modules import use_native_modules
-from .kvcache import growing_cache
+from .kvcache import GrowingLayer, growing_cache
 
 HEAD_SLICES = 4  # lm_head(rows=...) slices kept: a drafter's vocabulary, a request's extra rows, and spares
 
@@ -80,6 +81,10 @@ class Target:
         # this model qualifies; set False to always go through transformers' forward
         self.lean: bool | None = None
         self._plan: tuple | None = None  # the lean loop's products and what they were made from (_lean_plan)
+        # the lean loop's layers as one native call where that computes the same (kernels/cpu_decoder.py);
+        # set False to keep the loop in Python
+        self.fused = True
+        self._fused: NativeDecoder | None = None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -294,6 +299,21 @@ class Target:
         self._plan = (layers, mode_changes(), mods, weights, [w._version for w in weights], plan)
         return plan
 
+    def _fused_decoder(self, layers, plan: list[tuple] | None) -> NativeDecoder | None:
+        """The layers as one native call (:class:`NativeDecoder`, made once per plan) when ``fused`` is
+        on, it computes what the loop would (:meth:`NativeDecoder.qualifies`, checked every forward:
+        ~30 µs) and the cache's layers append in place; else None."""
+        if not self.fused or not NativeDecoder.qualifies(layers, plan):
+            return None
+        if any(type(c) is not GrowingLayer or not c.is_initialized or c.keys.dim() != 4 for c in self.cache.layers):
+            return None
+        if self._fused is None or self._fused.plan is not plan:
+            attn, cfg = layers[0].self_attn, self.config
+            self._fused = NativeDecoder(layers, plan, cfg.hidden_size, cfg.num_attention_heads,
+                                        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                                        attn.head_dim)
+        return self._fused
+
     def _lean_forward(self, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> TargetOutput:
         """forward_tree through the decoder's own modules without transformers' forward around them.
 
@@ -318,6 +338,14 @@ class Target:
         wanted = set(self._feature_layers)
         plan = self._lean_plan(dec.layers)
         threads = torch.get_num_threads()
+        fused = self._fused_decoder(dec.layers, plan) if rows_cs is not None else None
+        if fused is not None:
+            capture = dict.fromkeys(wanted)
+            x = fused(x.contiguous(), self.cache.layers, *rows_cs, mask, float(dec.layers[0].self_attn.scaling),
+                      capture, threads)
+            self._captured.update(capture)
+            logits = self.model.get_output_embeddings()(_rms_norm(dec.norm, x))
+            return TargetOutput(logits[0], self._collect_features())
         for i, layer in enumerate(dec.layers):
             attn, mlp = layer.self_attn, layer.mlp
             d = attn.head_dim

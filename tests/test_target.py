@@ -104,6 +104,45 @@ def test_lean_forward_is_bit_identical_to_transformers_forward(family, monkeypat
 
 @pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
                     reason="native kernel not built here")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_decoder_gives_the_python_loops_bits_step_after_step(family):
+    """The lean loop's layers as one native call (kernels/cpu_decoder.py, cpu_layer.c) give the Python
+    loop's logits, feature-layer states and cache rows bit for bit, over 60 rounds of trees with
+    hidden keys and one-row steps, commits that move rows, and cache buffers growing past their
+    first 256 rows; without native norms it steps aside."""
+    from bastion.kernels.cpu_modules import use_native_modules
+
+    kernels = get_kernels("torch")
+    runs = {}
+    for fused in (True, False):
+        target = tiny_target(family, dtype=torch.float32)
+        target.set_feature_layers([0, 2])
+        target.fused = fused
+        target.prefill(torch.arange(220) % 90)
+        g = torch.Generator().manual_seed(0)
+        outs = []
+        for step in range(60):
+            parents = [-1, 0, 0, 1, 2, 2] if step % 3 == 0 else [-1]
+            mask, pos = kernels.tree_mask(parents, target.cache_len, torch.float32, "cpu")
+            out = target.forward_tree(torch.randint(0, 90, (len(parents),), generator=g), mask, pos)
+            outs.append((out.logits, out.features))
+            target.commit(target.cache_len - len(parents), [0, 2, 4] if len(parents) > 1 else [0])
+        assert (target._fused is not None) == fused  # the native decoder ran, or the loop did
+        runs[fused] = (outs, [(c.keys.clone(), c.values.clone()) for c in target.cache.layers], target.cache_len)
+    (a, ca, na), (b, cb, nb) = runs[True], runs[False]
+    assert na == nb == 220 + 20 * 3 + 40 and na > 256  # the buffers grew
+    for (la, fa), (lb, fb) in zip(a, b):
+        assert torch.equal(la, lb) and torch.equal(fa, fb)
+    for (ka, va), (kb, vb) in zip(ca, cb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    use_native_modules(target.model, False)
+    target.fused = True
+    plan = target._lean_plan(target.model.get_decoder().layers)
+    assert plan is not None and target._fused_decoder(target.model.get_decoder().layers, plan) is None
+
+
+@pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
+                    reason="native kernel not built here")
 def test_lean_products_follow_weight_and_mode_changes():
     """The lean loop calls the native products directly (``_lean_plan``), holding their panels; so a
     weight edited in place, a replaced weight and a changed linear mode must each reach its next

@@ -1,4 +1,5 @@
-"""Native few-row CPU kernels: ``cpu_gemm.c`` compiled on first use, called through ctypes.
+"""Native few-row CPU kernels: ``cpu_gemm.c`` (and ``cpu_layer.c``) compiled on first use, called
+through ctypes.
 
 Three kernels: float32 products over packed weights (:func:`linear`, the target's and the default;
 over exact 4- / 8-bit panels where the weights are losslessly Q4_1 / Q8_0, :func:`pack_exact`),
@@ -8,7 +9,8 @@ own, so a tree verification and plain decoding get bit-identical logits (tests/t
 Plus four helpers: :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at
 once; :func:`rms_norm`, the RMSNorm of a few rows in one pass instead of six torch ops; :func:`rope`,
 the rotary embedding bit for bit as transformers computes it, one call instead of fourteen ops;
-:func:`silu`, the MLP's activation.
+:func:`silu`, the MLP's activation. ``cpu_layer.c`` chains them into a target's decoder layers in
+one call (``kernels/cpu_decoder.py``).
 
 Why a kernel of our own: decoding multiplies 1–64 rows by every weight matrix, and the BLAS gemm
 kernels behind torch are tuned for many rows. Measured on the development machine (2-core AMD EPYC,
@@ -56,6 +58,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
+# compiled together into one library: the kernels, and the decoder layers that chain them (cpu_layer.c)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_layer.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 
 _lib: ctypes.CDLL | None = None
@@ -98,7 +102,7 @@ def _build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> 
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     flags = FLAGS[:2] + list(extra_flags) + FLAGS[2:]
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha1(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache_dir or _cache_dir()
     lib = out_dir / f"bastion_gemm_{key}.so"
@@ -109,7 +113,7 @@ def _build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> 
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags[:-1], str(SOURCE), "-o", tmp, flags[-1]], capture_output=True, text=True,
+        res = subprocess.run([cc, *flags[:-1], *map(str, SOURCES), "-o", tmp, flags[-1]], capture_output=True, text=True,
                              timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
@@ -172,6 +176,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bastion_rope_f32.restype = None
     lib.bastion_silu_f32.argtypes = [V, I64, I64, V]
     lib.bastion_silu_f32.restype = None
+    lib.bastion_decoder_f32.argtypes = [V, I64, V, V, V, V, V, V, V, V, V, V, V, V, V, ctypes.c_float, I]
+    lib.bastion_decoder_f32.restype = I
     return lib
 
 

@@ -1,0 +1,120 @@
+/*
+ * The decoder layers of a Llama / Qwen3 target in one native call (Target._lean_forward).
+ *
+ * The lean loop in Python calls ~25 things a layer - seven products, norms, the rotary embedding,
+ * the cache update, the attention, the residual adds and the SwiGLU product - each a ctypes or torch
+ * dispatch of a few microseconds, plus the tensors they allocate: ~4-5 ms of a ~17 ms one-row step of
+ * the embedded target on the 2-core Zen 3, none of it arithmetic (bench/NOTES.md, session 32). Here
+ * the same kernels run in the same order on the same inputs, so the logits, the captured features
+ * and the cache rows are bit for bit those of the Python loop (tests/test_target.py):
+ *
+ *   per layer  h = rms_norm(x; ln1)          q = h Wq, k = h Wk, v = h Wv   (+ bias where given)
+ *              [Qwen3: q, k = rms_norm per head (q_norm, k_norm)]
+ *              q, k = rope(q), rope(k)      cache rows [past, past + n) = k, v
+ *              a = attention(q; cache rows [0, past + n), mask)
+ *              x = x + a Wo                 h = rms_norm(x; ln2)
+ *              x = x + (silu(h Wg) * (h Wu)) Wd            [capture x after the feature layers]
+ *
+ * Each add and product of two elements rounds once, as torch's elementwise ops do (no FMA can form:
+ * no product feeds an add inside an expression here). Products read float32 or exact 4 / 8-bit
+ * panels (kind 0 / 1 / 2, cpu_gemm.c); bias pointers may be NULL.
+ *
+ * Compiled into the same library as cpu_gemm.c (kernels/cpu_native.py).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void bastion_gemm_f32(const float *x, int64_t R, const float *wp, int64_t N, int64_t K, const float *b, float *y,
+                      int nthreads);
+void bastion_gemm_q4(const float *x, int64_t R, const uint8_t *wp, int64_t N, int64_t K, const float *b, float *y,
+                     int nthreads);
+void bastion_gemm_q8(const float *x, int64_t R, const int8_t *wp, int64_t N, int64_t K, const float *b, float *y,
+                     int nthreads);
+int bastion_attn_f32(const float *q, int64_t qh, int64_t qn, const float *k, int64_t kg, int64_t kl,
+                     const float *v, int64_t vg, int64_t vl, const float *mask, int64_t mn, float *out,
+                     int64_t H, int64_t G, int64_t n, int64_t L, int64_t d, float scale, int nthreads);
+void bastion_rms_norm_f32(const float *x, int64_t R, int64_t n, const float *w, float eps, float *y);
+void bastion_rope_f32(const float *x, int64_t n, int64_t H, int64_t d, const float *cos, const float *sin,
+                      float *out);
+void bastion_silu_f32(const float *x, int64_t R, int64_t n, float *y);
+
+static void product(int kind, const float *x, int64_t R, const void *wp, int64_t N, int64_t K, const float *b,
+                    float *y, int nthreads) {
+    switch (kind) {
+    case 1: bastion_gemm_q4(x, R, (const uint8_t *)wp, N, K, b, y, nthreads); break;
+    case 2: bastion_gemm_q8(x, R, (const int8_t *)wp, N, K, b, y, nthreads); break;
+    default: bastion_gemm_f32(x, R, (const float *)wp, N, K, b, y, nthreads); break;
+    }
+}
+
+/* dims: n (rows), h (hidden), H (query heads), G (KV heads), d (head dim), I (MLP width), past (cache
+ * rows before this call), mask row stride.
+ * Per layer l (arrays of 7 per layer in the order q, k, v, o, gate, up, down): kinds, panels, bias;
+ * norms[4 l ..]: ln1, ln2, q_norm, k_norm (the last two NULL for Llama), eps[4 l ..] their epsilons;
+ * kbuf / vbuf: the layer's cache buffers [G, cap[l], d]; capture[l]: where to copy x after the layer
+ * (NULL: nowhere). x [n, h] is updated in place; cos / sin [n, d]; mask [n, past + n] additive;
+ * Returns 0, or -1 when there was no memory for the scratch rows (its own or the attention's). */
+int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int *kinds, const void *const *panels,
+                        const float *const *bias, const float *const *norms, const float *eps,
+                        float *const *kbuf, float *const *vbuf, const int64_t *cap, float *const *capture,
+                        const float *cos, const float *sin, const float *mask, float scale, int nthreads) {
+    const int64_t n = dims[0], h = dims[1], H = dims[2], G = dims[3], d = dims[4], I = dims[5], past = dims[6],
+                  mn = dims[7];
+    const int64_t L = past + n, wide = I > H * d ? I : H * d; /* s holds MLP rows and rotated heads */
+    float *scratch = malloc((size_t)(n * (2 * h + 2 * H * d + 2 * G * d + 2 * I + wide)) * sizeof(float));
+    if (!scratch)
+        return -1;
+    float *hb = scratch, *t = hb + n * h, *q = t + n * h, *a = q + n * H * d, *k = a + n * H * d,
+          *v = k + n * G * d, *g = v + n * G * d, *u = g + n * I, *s = u + n * I;
+    float *qr = a; /* the rotated queries may share a's rows: a is written only by the attention */
+    for (int64_t l = 0; l < layers; l++) {
+        const int *kd = kinds + 7 * l;
+        const void *const *w = panels + 7 * l;
+        const float *const *b = bias + 7 * l;
+        const float *const *nm = norms + 4 * l;
+        const float *ep = eps + 4 * l;
+        bastion_rms_norm_f32(x, n, h, nm[0], ep[0], hb);
+        product(kd[0], hb, n, w[0], H * d, h, b[0], q, nthreads);
+        product(kd[1], hb, n, w[1], G * d, h, b[1], k, nthreads);
+        if (nm[2]) { /* Qwen3: RMSNorm over each head before the rotary embedding */
+            bastion_rms_norm_f32(q, n * H, d, nm[2], ep[2], s);
+            memcpy(q, s, (size_t)(n * H * d) * sizeof(float));
+            bastion_rms_norm_f32(k, n * G, d, nm[3], ep[3], s);
+            memcpy(k, s, (size_t)(n * G * d) * sizeof(float));
+        }
+        bastion_rope_f32(q, n, H, d, cos, sin, s);
+        memcpy(qr, s, (size_t)(n * H * d) * sizeof(float));
+        float *kb = kbuf[l], *vb = vbuf[l];
+        const int64_t kg = cap[l] * d;
+        bastion_rope_f32(k, n, G, d, cos, sin, s); /* straight into the cache: rows past.. of each head */
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < G; j++)
+                memcpy(kb + j * kg + (past + i) * d, s + (i * G + j) * d, (size_t)d * sizeof(float));
+        product(kd[2], hb, n, w[2], G * d, h, b[2], v, nthreads);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < G; j++)
+                memcpy(vb + j * kg + (past + i) * d, v + (i * G + j) * d, (size_t)d * sizeof(float));
+        /* queries [n, H, d] as [H, n, d] strides: head stride d, row stride H d */
+        if (bastion_attn_f32(qr, d, H * d, kb, kg, d, vb, kg, d, mask, mn, q, H, G, n, L, d, scale, nthreads)) {
+            free(scratch);
+            return -1;
+        }
+        product(kd[3], q, n, w[3], h, H * d, b[3], t, nthreads);
+        for (int64_t i = 0; i < n * h; i++)
+            x[i] = x[i] + t[i];
+        bastion_rms_norm_f32(x, n, h, nm[1], ep[1], hb);
+        product(kd[4], hb, n, w[4], I, h, b[4], g, nthreads);
+        product(kd[5], hb, n, w[5], I, h, b[5], u, nthreads);
+        bastion_silu_f32(g, n, I, s);
+        for (int64_t i = 0; i < n * I; i++)
+            s[i] = s[i] * u[i];
+        product(kd[6], s, n, w[6], h, I, b[6], t, nthreads);
+        for (int64_t i = 0; i < n * h; i++)
+            x[i] = x[i] + t[i];
+        if (capture[l])
+            memcpy(capture[l], x, (size_t)(n * h) * sizeof(float));
+    }
+    free(scratch);
+    return 0;
+}
