@@ -260,6 +260,9 @@ class DFlashDrafter(nn.Module):
         use_skinny_linear(self, "native-bf16")
         use_native_modules(self)  # norms and activations: one native pass each where they apply
         self._parts: tuple | None = None  # (rows, its parts) of the last draft (_vocab_parts)
+        # CPU drafts: the lean loop's layers as one native call where that computes the same
+        # (drafter_lean, kernels/cpu_decoder.py); set False to keep the loop in Python
+        self.fused = True
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict drafting to these target token ids (1-D, unique, in [0, V)); None = full vocabulary."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import cpu_native
+from .kernels.cpu_decoder import NativeDecoder
 from .kernels.cpu_linear import SkinnyLinear, mode_changes
 
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -58,19 +59,35 @@ def lean_plan(drafter) -> list[tuple] | None:
     return plan
 
 
-def _room(cache, i: int, like: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer i's key/value buffers [1, G, ≥ need, d] (G, d and dtype those of ``like`` [G, ·, d])
-    whose first ``cache.encoded`` rows are its context (adopted into new buffers when the cache's
-    tensors are not views of them at row 0)."""
+def _fused(drafter, plan: list[tuple]) -> NativeDecoder | None:
+    """The drafter's layers as one native call (kernels/cpu_decoder.py) when ``drafter.fused`` is on
+    and it computes what :func:`lean_layers`' loop does (widened-bf16 or float32 products; not the
+    AVX512-BF16 pairs, whose inputs are rounded), made once per plan; else None."""
+    if not getattr(drafter, "fused", True):
+        return None
+    got = drafter.__dict__.get("_fused")
+    if got is not None and got.current(drafter.layers, plan):
+        return got
+    got = None
+    if NativeDecoder.qualifies(drafter.layers, plan):
+        cfg = drafter.cfg
+        got = NativeDecoder(drafter.layers, plan, cfg.hidden_size, cfg.num_attention_heads,
+                            cfg.num_key_value_heads, cfg.head_dim)
+    drafter.__dict__["_fused"] = got
+    return got
+
+
+def _room(cache, i: int, g: int, d: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's float32 key/value buffers [1, g, ≥ need, d] whose first ``cache.encoded`` rows are
+    its context (adopted into new buffers when the cache's tensors are not views of them at row 0)."""
     n = cache.encoded
     kb, vb = (cache.kbuf[i], cache.vbuf[i]) if i < len(cache.kbuf) else (None, None)
     old_k = cache.keys[i] if cache.keys else None
-    g, d = like.shape[0], like.shape[2]
     if (kb is None or kb.shape[2] < need or kb.shape[1] != g or kb.shape[3] != d
             or (n and old_k.data_ptr() != kb.data_ptr())):
         rows = max(need + need // 2, MIN_ROWS)
-        kb = like.new_empty(1, g, rows, d)
-        vb = like.new_empty(1, g, rows, d)
+        kb = torch.empty(1, g, rows, d)
+        vb = torch.empty(1, g, rows, d)
         if n:
             kb[:, :, :n] = old_k
             vb[:, :, :n] = cache.values[i]
@@ -92,6 +109,16 @@ def lean_layers(drafter, plan: list[tuple], cache, x: torch.Tensor, fresh: torch
     q_rows, m = x.shape[0], 0 if fresh is None else fresh.shape[0]
     c = cache.encoded
     threads = torch.get_num_threads()
+    fused = _fused(drafter, plan)
+    if fused is not None:  # every layer in one native call: the loop below, bit for bit
+        attn = drafter.layers[0].self_attn
+        bufs = [_room(cache, i, attn.n_kv, attn.head_dim, c + m + q_rows) for i in range(len(plan))]
+        x = x.contiguous().clone()
+        fused.run(x, [b[0] for b in bufs], [b[1] for b in bufs], c, cos, sin, None, attn.head_dim ** -0.5,
+                  threads, fresh=None if fresh is None else fresh.contiguous())
+        cache.keys = [kb[:, :, :c + m] for kb, _ in bufs]
+        cache.values = [vb[:, :, :c + m] for _, vb in bufs]
+        return cpu_native.rms_norm(x, drafter.norm.weight, drafter.norm.variance_epsilon)
     keys, values = [], []
     for i, (layer, (qp, kp, vp, op, gp, up, dp)) in enumerate(zip(drafter.layers, plan)):
         attn = layer.self_attn
@@ -105,7 +132,7 @@ def lean_layers(drafter, plan: list[tuple], cache, x: torch.Tensor, fresh: torch
                                 attn.k_norm.variance_epsilon)
         k = cpu_native.rope(k, cos, sin)
         v = vp(kin, threads).view(m + q_rows, -1, d)
-        kb, vb = _room(cache, i, k.transpose(0, 1), c + m + q_rows)
+        kb, vb = _room(cache, i, k.shape[1], d, c + m + q_rows)
         kb[0, :, c:c + m + q_rows] = k.transpose(0, 1)
         vb[0, :, c:c + m + q_rows] = v.transpose(0, 1)
         a = cpu_native.attention_unchecked(qh.transpose(0, 1)[None], kb[:, :, :c + m + q_rows],

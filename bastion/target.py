@@ -300,14 +300,17 @@ class Target:
         return plan
 
     def _fused_decoder(self, layers, plan: list[tuple] | None) -> NativeDecoder | None:
-        """The layers as one native call (:class:`NativeDecoder`, made once per plan) when ``fused`` is
-        on, it computes what the loop would (:meth:`NativeDecoder.qualifies`, checked every forward:
-        ~30 µs) and the cache's layers append in place; else None."""
-        if not self.fused or not NativeDecoder.qualifies(layers, plan):
+        """The layers as one native call (:class:`NativeDecoder`, made once per plan and checked every
+        forward, ~30 µs) when ``fused`` is on, it computes what the loop would
+        (:meth:`NativeDecoder.qualifies`) and the cache's layers append in place; else None."""
+        if not self.fused or plan is None:
             return None
         if any(type(c) is not GrowingLayer or not c.is_initialized or c.keys.dim() != 4 for c in self.cache.layers):
             return None
-        if self._fused is None or self._fused.plan is not plan:
+        if self._fused is not None and self._fused.current(layers, plan):
+            return self._fused
+        self._fused = None
+        if NativeDecoder.qualifies(layers, plan):
             attn, cfg = layers[0].self_attn, self.config
             self._fused = NativeDecoder(layers, plan, cfg.hidden_size, cfg.num_attention_heads,
                                         getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -341,8 +344,8 @@ class Target:
         fused = self._fused_decoder(dec.layers, plan) if rows_cs is not None else None
         if fused is not None:
             capture = dict.fromkeys(wanted)
-            x = fused(x.contiguous(), self.cache.layers, *rows_cs, mask, float(dec.layers[0].self_attn.scaling),
-                      capture, threads)
+            x = fused.forward_cache(x.contiguous(), self.cache.layers, *rows_cs, mask,
+                                    float(dec.layers[0].self_attn.scaling), capture, threads)
             self._captured.update(capture)
             logits = self.model.get_output_embeddings()(_rms_norm(dec.norm, x))
             return TargetOutput(logits[0], self._collect_features())

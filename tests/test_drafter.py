@@ -377,9 +377,10 @@ def test_a_widened_vocabulary_reuses_the_drafters_head_slice_and_drafts_the_same
 
 def test_the_lean_cpu_draft_equals_the_module_draft_over_rounds(monkeypatch):
     """A CPU float32 drafter with native products drafts through drafter_lean.lean_layers (pre-checked
-    products, native rotary and attention, the context in buffers with spare rows). Over rounds of
-    deferred features, a crop and a buffer that must grow, its log q and its context keys/values are
-    the module path's to float rounding (the attention kernels differ), and the buffers are reused."""
+    products, native rotary and attention, the context in buffers with spare rows; all layers in one
+    native call where the products allow). Over rounds of deferred features, a crop and a buffer that
+    must grow, its log q and its context keys/values are the module path's to float rounding (the
+    attention kernels differ), the Python loop's bit for bit, and the buffers are reused."""
     import bastion.drafter as drafter_module
     from bastion.drafter_lean import MIN_ROWS, lean_plan
     from bastion.kernels import cpu_native
@@ -392,8 +393,8 @@ def test_the_lean_cpu_draft_equals_the_module_draft_over_rounds(monkeypatch):
     assert lean_plan(tiny_drafter(tiny_target("qwen3", dtype=torch.float64), layers=2)) is None
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(MIN_ROWS + 60, 2 * target.hidden_size, generator=g)
-    lean, mods = d.new_cache(), d.new_cache()
-    for c in (lean, mods):
+    lean, mods, loop = d.new_cache(), d.new_cache(), d.new_cache()
+    for c in (lean, mods, loop):
         d.extend_cache(c, feats[:40])
     pos, buffers = 40, []
     # (≤ 64 new rows a round, as in decoding: past that the modules' products run in float32)
@@ -402,6 +403,10 @@ def test_the_lean_cpu_draft_equals_the_module_draft_over_rounds(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(drafter_module, "lean_plan", lambda drafter: None)
             b = d.draft(mods, r % 7, target.embed, target.lm_head, depth=4)
+        d.fused = False  # the lean loop in Python: the one native call's bits exactly
+        assert torch.equal(d.draft(loop, r % 7, target.embed, target.lm_head, depth=4), a)
+        d.fused = True
+        assert (d.__dict__.get("_fused") is not None) == (not cpu_native.bf16_available())
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         assert lean.encoded == mods.encoded == pos
@@ -410,13 +415,15 @@ def test_the_lean_cpu_draft_equals_the_module_draft_over_rounds(monkeypatch):
             torch.testing.assert_close(v1, v2, rtol=0, atol=1e-5)
         assert all(k.data_ptr() == buf.data_ptr() for k, buf in zip(lean.keys, lean.kbuf))  # views, no copies
         buffers.append((lean.kbuf[0].data_ptr(), lean.kbuf[0].shape[2]))
+        for k1, k2 in zip(lean.keys + lean.values, loop.keys + loop.values):
+            assert torch.equal(k1, k2)
         if step < 0:  # a crop (the context shrinks), then the next round re-encodes nothing
             pos += step
-            lean.crop(pos)
-            mods.crop(pos)
+            for c in (lean, mods, loop):
+                c.crop(pos)
         elif step:
-            lean.defer(feats[pos:pos + step])
-            mods.defer(feats[pos:pos + step])
+            for c in (lean, mods, loop):
+                c.defer(feats[pos:pos + step])
             pos += step
     assert buffers[0] == buffers[5] and buffers[0][1] == MIN_ROWS  # one buffer until it had to grow
     assert buffers[-1][1] > MIN_ROWS and buffers[-1][0] != buffers[0][0]

@@ -1,13 +1,15 @@
-"""A target's decoder layers as one native call (``cpu_layer.c``), for ``Target._lean_forward``.
+"""Decoder layers as one native call (``cpu_layer.c``): a target's in ``Target._lean_forward``, a
+DFlash drafter's in ``drafter_lean.lean_layers``.
 
-The Python lean loop runs each layer as ~25 calls (seven products, norms, rotary, the cache update,
-the attention, residual adds, the SwiGLU product), each a few microseconds of dispatch and a tensor
-allocation. :class:`NativeDecoder` hands all layers to ``bastion_decoder_f32`` at once: the same
+The Python loops run each layer as ~25 calls (seven products, norms, rotary, the cache update, the
+attention, residual adds, the SwiGLU product), each a few microseconds of dispatch and a tensor
+allocation: on the 2-core Zen 3 ~5 ms of the embedded target's ~17 ms one-row step (session 32,
+bench/NOTES.md). :class:`NativeDecoder` hands all layers to ``bastion_decoder_f32`` at once: the same
 kernels in the same order on the same inputs, so logits, captured features and cache rows are
-bit-identical to the loop's (tests/test_target.py). It applies where the loop's plan does (float32
-or exact compressed products, ``Target._lean_plan``) and the layers' norms and activations run
-natively (``cpu_modules.use_native_modules``, the target's default); the caller keeps the loop
-otherwise.
+bit-identical to the loop's (tests/test_target.py, tests/test_drafter.py). It applies where the
+loop's plan does (float32, exact compressed or widened-bf16 products) and the layers' norms and
+activations run natively (``cpu_modules.use_native_modules``, the default of both models); callers
+keep their loops otherwise.
 """
 
 from __future__ import annotations
@@ -18,92 +20,122 @@ import torch
 
 from . import cpu_native
 
-KINDS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # panels' dtype → the C product (cpu_layer.c)
+
+def _kind(panels: torch.Tensor) -> int | None:
+    """The C product for these panels (cpu_layer.c ``product``), or None: bf16 pairs (AVX512-BF16),
+    whose inputs the caller would have to round, stay with the Python loop."""
+    if panels.dtype == torch.bfloat16:
+        return 3 if panels.dim() == 3 else None
+    return {torch.float32: 0, torch.uint8: 1, torch.int8: 2}.get(panels.dtype)
 
 
 def _native_forward(module: torch.nn.Module) -> bool:
     return "forward" in module.__dict__  # set per instance by cpu_modules.use_native_modules
 
 
+def _norms(layer) -> tuple:
+    """A layer's norms in cpu_layer.c's order: ln1, ln2, q_norm, k_norm (None where absent: Llama)."""
+    attn = layer.self_attn
+    return (layer.input_layernorm, layer.post_attention_layernorm, getattr(attn, "q_norm", None),
+            getattr(attn, "k_norm", None))
+
+
 class NativeDecoder:
     """Per-layer constants (panel and bias pointers, norm weights and epsilons) of a lean plan, made once;
-    :meth:`__call__` runs every layer over a few rows.
+    :meth:`run` runs every layer over a few rows.
 
-    Holds the plan (its products hold their panels), so the pointers stay valid while it lives."""
+    Holds the plan (its products hold their panels) and the norm weights, so the pointers stay valid
+    while it lives."""
 
     def __init__(self, layers, plan: list[tuple], hidden: int, heads: int, kv_heads: int, head_dim: int):
         prods = [p for layer_plan in plan for p in layer_plan]
         self.plan, self.layers = plan, len(plan)
         self.dims = (hidden, heads, kv_heads, head_dim, plan[0][4].n)
         n7 = 7 * self.layers
-        self._kinds = (ctypes.c_int * n7)(*[KINDS[p.panels.dtype] for p in prods])
+        self._kinds = (ctypes.c_int * n7)(*[_kind(p.panels) for p in prods])
         self._panels = (ctypes.c_void_p * n7)(*[p._pp for p in prods])
         self._bias = (ctypes.c_void_p * n7)(*[p._bp for p in prods])
-        norms, eps = [], []
-        for layer in layers:
-            attn = layer.self_attn
-            mods = [layer.input_layernorm, layer.post_attention_layernorm,
-                    getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-            norms += [None if m is None else m.weight.data_ptr() for m in mods]
-            eps += [0.0 if m is None else float(m.variance_epsilon) for m in mods]
-        self._norm_weights = [m.weight for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self._norms = (ctypes.c_void_p * (4 * self.layers))(*norms)
-        self._eps = (ctypes.c_float * (4 * self.layers))(*eps)
+        mods = [m for layer in layers for m in _norms(layer)]
+        if any(m is not None and not m.weight.is_contiguous() for m in mods):
+            raise ValueError("norm weights must be contiguous")
+        self._norm_ptrs = [None if m is None else m.weight.data_ptr() for m in mods]
+        self._norms = (ctypes.c_void_p * len(mods))(*self._norm_ptrs)
+        self._eps = (ctypes.c_float * len(mods))(*[0.0 if m is None else float(m.variance_epsilon) for m in mods])
         self._bufs: tuple | None = None  # (buffer pointers, their ctypes arrays)
 
     @staticmethod
     def qualifies(layers, plan: list[tuple] | None) -> bool:
         """Whether the native decoder computes what the lean loop computes for these layers: products
-        it can run, native norms and activation in every layer."""
-        if plan is None or not cpu_native.available():
+        it can run (the plan's), native norms and activation in every layer, contiguous norm weights."""
+        if plan is None or not cpu_native.available() or any(_kind(p.panels) is None for lp in plan for p in lp):
             return False
-        if any(p.panels.dtype not in KINDS for lp in plan for p in lp):
+        return all(_native_forward(m) and m.weight.is_contiguous() for layer in layers for m in _norms(layer)
+                   if m is not None) and all(_native_forward(layer.mlp.act_fn) for layer in layers)
+
+    def current(self, layers, plan: list[tuple]) -> bool:
+        """Whether this decoder still stands for these layers: made from this plan, the norms and
+        activations still native, the norm weights the same tensors (~30 µs for 30 layers; the
+        caller checks every forward, as a training step or a switch may have changed them)."""
+        if plan is not self.plan:
             return False
+        ptrs = iter(self._norm_ptrs)
         for layer in layers:
-            attn = layer.self_attn
-            mods = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn]
-            mods += [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None]
-            if not all(_native_forward(m) for m in mods):
+            for m in _norms(layer):
+                p = next(ptrs)
+                if m is not None and (p != m.weight.data_ptr() or "forward" not in m.__dict__):
+                    return False
+            if "forward" not in layer.mlp.act_fn.__dict__:
                 return False
         return True
 
-    def _buffers(self, cache_layers, n: int) -> tuple:
-        """The caches' key/value buffers with room for n more rows, as pointer arrays (remade only when
-        a buffer moved) and the capacity of each."""
-        ks, vs, caps = [], [], []
-        for layer in cache_layers:
-            kb, vb = layer.reserve(n)
-            ks.append(kb.data_ptr())
-            vs.append(vb.data_ptr())
-            caps.append(kb.shape[2])
-        key = (ks, vs, caps)
+    def _pointers(self, kbufs: list[torch.Tensor], vbufs: list[torch.Tensor]) -> tuple:
+        """The per-layer key/value buffers [1, G, capacity, d] as pointer arrays and capacities (remade
+        only when a buffer moved)."""
+        key = ([k.data_ptr() for k in kbufs], [v.data_ptr() for v in vbufs], [k.shape[2] for k in kbufs])
         if self._bufs is None or self._bufs[0] != key:
             L = self.layers
-            self._bufs = (key, ((ctypes.c_void_p * L)(*ks), (ctypes.c_void_p * L)(*vs), (ctypes.c_int64 * L)(*caps)))
+            self._bufs = (key, ((ctypes.c_void_p * L)(*key[0]), (ctypes.c_void_p * L)(*key[1]),
+                                (ctypes.c_int64 * L)(*key[2])))
         return self._bufs[1]
 
-    def __call__(self, x: torch.Tensor, cache_layers, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                 scale: float, capture: dict[int, torch.Tensor], threads: int) -> torch.Tensor:
-        """Run every layer on x [1, n, h] (float32, updated in place and returned) with the rotary tables
-        cos / sin [n, d] and the additive mask [1, 1, n, past + n]; appends n rows to every cache layer
-        (``kvcache.GrowingLayer``); ``capture`` maps layer ids to where their outputs go (filled with
-        new [1, n, h] tensors)."""
-        n = x.shape[1]
-        past = cache_layers[0].keys.shape[-2]
-        if mask.stride(3) != 1:
+    def run(self, x: torch.Tensor, kbufs: list[torch.Tensor], vbufs: list[torch.Tensor], past: int,
+            cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, scale: float, threads: int,
+            capture: dict[int, torch.Tensor] | None = None, fresh: torch.Tensor | None = None) -> None:
+        """Every layer on x [n, h] (or [1, n, h]; contiguous float32, updated in place).
+
+        kbufs / vbufs: per layer [1, G, ≥ past + m + n, d] buffers whose first ``past`` rows are the
+        cache; rows [past, past + m + n) are written. cos / sin [m + n, d] contiguous; mask [1, 1, n,
+        past + m + n] additive or None (all visible); ``capture`` maps layer ids to new tensors shaped
+        like x that receive those layers' outputs; ``fresh`` [m, h] rows whose keys and values precede
+        x's (a drafter's newly committed context, cpu_layer.c)."""
+        n = x.shape[-2]
+        m = 0 if fresh is None else fresh.shape[0]
+        if mask is not None and mask.stride(3) != 1:
             mask = mask.contiguous()
-        kb, vb, caps = self._buffers(cache_layers, n)
-        for i in capture:
-            capture[i] = torch.empty_like(x)
-        caught = (ctypes.c_void_p * self.layers)(*[capture[i].data_ptr() if i in capture else None
-                                                   for i in range(self.layers)])
+        kb, vb, caps = self._pointers(kbufs, vbufs)
+        caught = None
+        if capture:
+            for i in capture:
+                capture[i] = torch.empty_like(x)
+            caught = [capture[i].data_ptr() if i in capture else None for i in range(self.layers)]
+        caught = (ctypes.c_void_p * self.layers)(*(caught or [None] * self.layers))
         h, heads, kv, d, inter = self.dims
-        dims = (ctypes.c_int64 * 8)(n, h, heads, kv, d, inter, past, mask.stride(2))
+        dims = (ctypes.c_int64 * 9)(n, h, heads, kv, d, inter, past, 0 if mask is None else mask.stride(2), m)
         rc = cpu_native.library().bastion_decoder_f32(
             x.data_ptr(), self.layers, dims, self._kinds, self._panels, self._bias, self._norms, self._eps,
-            kb, vb, caps, caught, cos.data_ptr(), sin.data_ptr(), mask.data_ptr(), scale, threads)
+            kb, vb, caps, caught, cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(),
+            None if fresh is None else fresh.data_ptr(), scale, threads)
         if rc != 0:
             raise MemoryError("native decoder: no memory for its scratch rows")
-        for layer in cache_layers:
-            layer.advance(n)
+
+    def forward_cache(self, x: torch.Tensor, cache_layers, cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor, scale: float, capture: dict[int, torch.Tensor], threads: int) -> torch.Tensor:
+        """A target's layers on x [1, n, h] appending n rows to every cache layer
+        (``kvcache.GrowingLayer``: reserve, write, advance); returns x."""
+        n = x.shape[1]
+        past = cache_layers[0].keys.shape[-2]
+        bufs = [c.reserve(n) for c in cache_layers]
+        self.run(x, [b[0] for b in bufs], [b[1] for b in bufs], past, cos, sin, mask, scale, threads, capture)
+        for c in cache_layers:
+            c.advance(n)
         return x

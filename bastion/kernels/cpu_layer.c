@@ -38,36 +38,52 @@ void bastion_rms_norm_f32(const float *x, int64_t R, int64_t n, const float *w, 
 void bastion_rope_f32(const float *x, int64_t n, int64_t H, int64_t d, const float *cos, const float *sin,
                       float *out);
 void bastion_silu_f32(const float *x, int64_t R, int64_t n, float *y);
+void bastion_gemm_h16(const float *x, int64_t R, const uint16_t *wp, int64_t N, int64_t K, const float *b, float *y,
+                      int nthreads);
 
 static void product(int kind, const float *x, int64_t R, const void *wp, int64_t N, int64_t K, const float *b,
                     float *y, int nthreads) {
     switch (kind) {
     case 1: bastion_gemm_q4(x, R, (const uint8_t *)wp, N, K, b, y, nthreads); break;
     case 2: bastion_gemm_q8(x, R, (const int8_t *)wp, N, K, b, y, nthreads); break;
+    case 3: bastion_gemm_h16(x, R, (const uint16_t *)wp, N, K, b, y, nthreads); break;
     default: bastion_gemm_f32(x, R, (const float *)wp, N, K, b, y, nthreads); break;
     }
 }
 
-/* dims: n (rows), h (hidden), H (query heads), G (KV heads), d (head dim), I (MLP width), past (cache
- * rows before this call), mask row stride.
- * Per layer l (arrays of 7 per layer in the order q, k, v, o, gate, up, down): kinds, panels, bias;
+/* dims: n (query rows), h (hidden), H (query heads), G (KV heads), d (head dim), I (MLP width), past
+ * (cache rows before this call), mask row stride, m (context rows before the queries' own: 0 for a
+ * target; a drafter's newly committed context, see below).
+ * Per layer l (arrays of 7 per layer in the order q, k, v, o, gate, up, down): kinds (0 float32,
+ * 1 / 2 exact 4 / 8-bit, 3 bf16 weights widened: cpu_gemm.c), panels, bias (NULL: none);
  * norms[4 l ..]: ln1, ln2, q_norm, k_norm (the last two NULL for Llama), eps[4 l ..] their epsilons;
  * kbuf / vbuf: the layer's cache buffers [G, cap[l], d]; capture[l]: where to copy x after the layer
- * (NULL: nowhere). x [n, h] is updated in place; cos / sin [n, d]; mask [n, past + n] additive;
+ * (NULL: nowhere). x [n, h] is updated in place; cos / sin [m + n, d]; mask [n, past + m + n] additive
+ * or NULL (every key visible).
+ * fresh [m, h] (a DFlash drafter's context features, already normed): rows whose keys and values join
+ * the cache ahead of the queries' own, from the same k / v products (over [fresh ; rms_norm(x)]), with
+ * no query of their own. A target passes m = 0 and fresh = NULL.
  * Returns 0, or -1 when there was no memory for the scratch rows (its own or the attention's). */
 int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int *kinds, const void *const *panels,
                         const float *const *bias, const float *const *norms, const float *eps,
                         float *const *kbuf, float *const *vbuf, const int64_t *cap, float *const *capture,
-                        const float *cos, const float *sin, const float *mask, float scale, int nthreads) {
+                        const float *cos, const float *sin, const float *mask, const float *fresh, float scale,
+                        int nthreads) {
     const int64_t n = dims[0], h = dims[1], H = dims[2], G = dims[3], d = dims[4], I = dims[5], past = dims[6],
-                  mn = dims[7];
-    const int64_t L = past + n, wide = I > H * d ? I : H * d; /* s holds MLP rows and rotated heads */
-    float *scratch = malloc((size_t)(n * (2 * h + 2 * H * d + 2 * G * d + 2 * I + wide)) * sizeof(float));
+                  mn = dims[7], m = dims[8];
+    const int64_t nk = m + n, L = past + nk;
+    int64_t wide = n * I; /* s holds the MLP's rows, the normed and the rotated heads */
+    if (n * H * d > wide) wide = n * H * d;
+    if (nk * G * d > wide) wide = nk * G * d;
+    float *scratch = malloc((size_t)(2 * n * h + nk * h + 2 * n * H * d + 2 * nk * G * d + 2 * n * I + wide)
+                            * sizeof(float));
     if (!scratch)
         return -1;
-    float *hb = scratch, *t = hb + n * h, *q = t + n * h, *a = q + n * H * d, *k = a + n * H * d,
-          *v = k + n * G * d, *g = v + n * G * d, *u = g + n * I, *s = u + n * I;
+    float *hb = scratch, *t = hb + n * h, *kin = t + n * h, *q = kin + nk * h, *a = q + n * H * d,
+          *k = a + n * H * d, *v = k + nk * G * d, *g = v + nk * G * d, *u = g + n * I, *s = u + n * I;
     float *qr = a; /* the rotated queries may share a's rows: a is written only by the attention */
+    if (m)
+        memcpy(kin, fresh, (size_t)(m * h) * sizeof(float));
     for (int64_t l = 0; l < layers; l++) {
         const int *kd = kinds + 7 * l;
         const void *const *w = panels + 7 * l;
@@ -75,24 +91,28 @@ int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int
         const float *const *nm = norms + 4 * l;
         const float *ep = eps + 4 * l;
         bastion_rms_norm_f32(x, n, h, nm[0], ep[0], hb);
+        const float *xk = hb; /* the k / v products' rows: [fresh ; hb] */
+        if (m) {
+            memcpy(kin + m * h, hb, (size_t)(n * h) * sizeof(float));
+            xk = kin;
+        }
         product(kd[0], hb, n, w[0], H * d, h, b[0], q, nthreads);
-        product(kd[1], hb, n, w[1], G * d, h, b[1], k, nthreads);
+        product(kd[1], xk, nk, w[1], G * d, h, b[1], k, nthreads);
         if (nm[2]) { /* Qwen3: RMSNorm over each head before the rotary embedding */
             bastion_rms_norm_f32(q, n * H, d, nm[2], ep[2], s);
             memcpy(q, s, (size_t)(n * H * d) * sizeof(float));
-            bastion_rms_norm_f32(k, n * G, d, nm[3], ep[3], s);
-            memcpy(k, s, (size_t)(n * G * d) * sizeof(float));
+            bastion_rms_norm_f32(k, nk * G, d, nm[3], ep[3], s);
+            memcpy(k, s, (size_t)(nk * G * d) * sizeof(float));
         }
-        bastion_rope_f32(q, n, H, d, cos, sin, s);
-        memcpy(qr, s, (size_t)(n * H * d) * sizeof(float));
+        bastion_rope_f32(q, n, H, d, cos + m * d, sin + m * d, qr);
         float *kb = kbuf[l], *vb = vbuf[l];
         const int64_t kg = cap[l] * d;
-        bastion_rope_f32(k, n, G, d, cos, sin, s); /* straight into the cache: rows past.. of each head */
-        for (int64_t i = 0; i < n; i++)
+        bastion_rope_f32(k, nk, G, d, cos, sin, s); /* then into the cache: rows past.. of each head */
+        for (int64_t i = 0; i < nk; i++)
             for (int64_t j = 0; j < G; j++)
                 memcpy(kb + j * kg + (past + i) * d, s + (i * G + j) * d, (size_t)d * sizeof(float));
-        product(kd[2], hb, n, w[2], G * d, h, b[2], v, nthreads);
-        for (int64_t i = 0; i < n; i++)
+        product(kd[2], xk, nk, w[2], G * d, h, b[2], v, nthreads);
+        for (int64_t i = 0; i < nk; i++)
             for (int64_t j = 0; j < G; j++)
                 memcpy(vb + j * kg + (past + i) * d, v + (i * G + j) * d, (size_t)d * sizeof(float));
         /* queries [n, H, d] as [H, n, d] strides: head stride d, row stride H d */

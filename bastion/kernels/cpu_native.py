@@ -176,7 +176,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bastion_rope_f32.restype = None
     lib.bastion_silu_f32.argtypes = [V, I64, I64, V]
     lib.bastion_silu_f32.restype = None
-    lib.bastion_decoder_f32.argtypes = [V, I64, V, V, V, V, V, V, V, V, V, V, V, V, V, ctypes.c_float, I]
+    lib.bastion_decoder_f32.argtypes = [V, I64, V, V, V, V, V, V, V, V, V, V, V, V, V, V, ctypes.c_float, I]
     lib.bastion_decoder_f32.restype = I
     return lib
 
