@@ -360,7 +360,7 @@ class Engine:
                                       req.depth.depth())
             # never draft past the context limit; one host transfer of the top-k lists
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]
-            k = 1 if cfg.strategy == "chain" else self._rule(cfg).max_nodes
+            k = 1 if cfg.strategy == "chain" else req.depth.width(self._rule(cfg).max_nodes)
             raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), req.vocab)
             used = req.calib.log_g(raw) if cfg.calibrate else raw
             topk = (used.float().cpu().tolist(), ids.cpu().tolist())

@@ -205,6 +205,18 @@ def test_draft_depth_follows_the_trees_and_stays_lossless():
     assert policy.depth() == 3                # the window forgot the deep tree
     policy.floor = 6
     assert policy.depth() == 6                # never below the floor
+    # the candidates kept per depth: the cap until a tree was seen, then twice the largest recent
+    # tree's drafter nodes (copied nodes not counted), never below min_width
+    width = DraftDepth(15, window=2, min_width=4)
+    assert width.width(128) == 128
+    width.observe(shallow)
+    assert width.width(128) == 4              # 2 drafter nodes (and 9 copied ones)
+    width.observe(deep)
+    assert width.width(128) == 10 and width.width(6) == 6
+    width.observe(shallow)
+    width.observe(shallow)
+    assert width.width(128) == 4              # the window forgot the deep tree
+    assert DraftDepth(15, window=0).width(32) == 32  # a fixed policy keeps the cap
 
     target = tiny_target("llama", dtype=torch.float64)
     prompt = [3, 5, 7]

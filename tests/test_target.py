@@ -135,6 +135,22 @@ def test_fused_decoder_gives_the_python_loops_bits_step_after_step(family):
         assert torch.equal(la, lb) and torch.equal(fa, fb)
     for (ka, va), (kb, vb) in zip(ca, cb):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+    # a norm weight replaced (a new tensor) must reach the native decoder's next call
+    def step():
+        target.prefill(torch.arange(30) % 90)
+        mask, pos = kernels.tree_mask([-1, 0], target.cache_len, torch.float32, "cpu")
+        return target.forward_tree(torch.tensor([3, 4]), mask, pos).logits
+
+    target.fused = True
+    before = step()
+    assert target._fused is not None
+    norm = target.model.get_decoder().layers[1].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)
+    outs = []
+    for fused in (True, False):
+        target.fused = fused
+        outs.append(step())
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], before)
     use_native_modules(target.model, False)
     target.fused = True
     plan = target._lean_plan(target.model.get_decoder().layers)
