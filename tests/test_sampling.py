@@ -169,3 +169,23 @@ def test_noise_rows_are_hashed_once_per_position_and_change_no_draw(monkeypatch)
             (memos[-1].computed, nodes)
         assert nodes > 1.5 * memos[-1].computed  # the trees drew from far more rows than were hashed
     assert len(memos) == 2  # the fresh engine made none
+
+
+@pytest.mark.parametrize("seed", [0, 4, 2**31 + 7, 2**40 + 123, 2**64 - 1])
+def test_native_uniform_rows_are_the_reference_streams_bits(seed):
+    """GumbelRows hashes new CPU rows natively (cpu_native.uniform_rows): the same bits as the torch
+    reference's uniform_stream (and so the Triton kernel's), for any seed and row counter."""
+    from bastion.kernels import cpu_native
+    from bastion.kernels.reference import GumbelRows, row_keys, uniform_stream
+
+    if not cpu_native.available():
+        pytest.skip(f"native kernel unavailable: {cpu_native.unavailable_reason()}")
+    counters = [0, 1, 17, 2**31 - 1, 2**31, 2**32 + 5, 3 * 2**40]
+    for vocab in (1, 7, 49152):
+        rows = torch.tensor(counters, dtype=torch.int64)
+        want = uniform_stream(seed, 0, len(counters), vocab, counters=rows)
+        keys = row_keys(seed, rows & 0xFFFFFFFF).tolist()
+        assert torch.equal(cpu_native.uniform_rows(keys, vocab), want)
+    native, reference = GumbelRows(seed), GumbelRows(seed, native=False)
+    assert native.native and not reference.native
+    assert torch.equal(native.rows([5, 9, 9, 12], 300), reference.rows([5, 9, 9, 12], 300))

@@ -58,8 +58,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-# compiled together into one library: the kernels, and the decoder layers that chain them (cpu_layer.c)
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_layer.c"))
+# compiled together into one library: the kernels, the decoder layers that chain them (cpu_layer.c) and
+# the sampler's uniform stream (cpu_noise.c)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_layer.c"), Path(__file__).with_name("cpu_noise.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 
 _lib: ctypes.CDLL | None = None
@@ -178,6 +179,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bastion_silu_f32.restype = None
     lib.bastion_decoder_f32.argtypes = [V, I64, V, V, V, V, V, V, V, V, V, V, V, V, V, V, ctypes.c_float, I]
     lib.bastion_decoder_f32.restype = I
+    lib.bastion_uniform_rows.argtypes = [V, I64, I64, V]
+    lib.bastion_uniform_rows.restype = None
     return lib
 
 
@@ -538,6 +541,19 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if x.numel():
         _lib.bastion_silu_f32(x.data_ptr(), x.numel() // n, n, y.data_ptr())
     return y
+
+
+def uniform_rows(keys: list[int], vocab: int) -> torch.Tensor:
+    """The uniform variates float32 [len(keys), vocab] of ``reference.uniform_stream`` for rows whose
+    32-bit keys (the mixed row counter and seed, :func:`reference.row_keys`) are given: the same bits,
+    natively (cpu_noise.c)."""
+    if library() is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_why}")
+    k = torch.tensor([key & 0xFFFFFFFF for key in keys], dtype=torch.int64).to(torch.int32)
+    out = torch.empty(len(keys), vocab, dtype=torch.float32)
+    if len(keys) and vocab:
+        _lib.bastion_uniform_rows(k.data_ptr(), len(keys), vocab, out.data_ptr())
+    return out
 
 
 def move_rows(tensors: list[torch.Tensor], src: list[int], dst: list[int]) -> bool:
