@@ -1,5 +1,6 @@
 /*
- * The decoder layers of a Llama / Qwen3 target in one native call (Target._lean_forward).
+ * The decoder layers of a Llama / Qwen3 target in one native call (Target._lean_forward), and of a
+ * DFlash drafter (drafter_lean.lean_layers: its context rows ride along, see `fresh` below).
  *
  * The lean loop in Python calls ~25 things a layer - seven products, norms, the rotary embedding,
  * the cache update, the attention, the residual adds and the SwiGLU product - each a ctypes or torch
@@ -17,7 +18,8 @@
  *
  * Each add and product of two elements rounds once, as torch's elementwise ops do (no FMA can form:
  * no product feeds an add inside an expression here). Products read float32 or exact 4 / 8-bit
- * panels (kind 0 / 1 / 2, cpu_gemm.c); bias pointers may be NULL.
+ * panels (a target: kinds 0 / 1 / 2) or bf16 weights widened in registers (a drafter: kind 3), all
+ * cpu_gemm.c's; bias pointers may be NULL.
  *
  * Compiled into the same library as cpu_gemm.c (kernels/cpu_native.py).
  */
