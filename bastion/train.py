@@ -224,7 +224,7 @@ def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
 def _bf16_is_fast(device: torch.device) -> bool:
     """bf16 autocast pays on a GPU and on CPUs with bf16 arithmetic; elsewhere it is emulated and
     ~20× slower than float32 (``fit`` then trains in float32 and says so)."""
-    from .kernels.cpu_native import cpu_has_bf16
+    from .kernels.cpu_build import cpu_has_bf16
 
     return device.type != "cpu" or cpu_has_bf16()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from bastion.kernels import cpu_native
+from bastion.kernels import cpu_build, cpu_native
 from bastion.kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, use_skinny_linear
 
 
@@ -149,8 +149,8 @@ def variant(request, tmp_path_factory):
     user's CPU without AVX-512 (or without FMA) takes, checked here too."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 instruction-set variants")
-    path = cpu_native._build(tmp_path_factory.mktemp("variant"), extra_flags=request.param)
-    return cpu_native.declare(ctypes.CDLL(str(path)))
+    path = cpu_build.build(tmp_path_factory.mktemp("variant"), extra_flags=request.param)
+    return cpu_build.declare(ctypes.CDLL(str(path)))
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -64,9 +64,11 @@ def test_bad_inputs_are_refused():
 
 
 def test_build_errors_are_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_native, "FLAGS", cpu_native.FLAGS + ["-this-flag-does-not-exist"])
+    from bastion.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ["-this-flag-does-not-exist"])
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_native._build(tmp_path)
+        cpu_build.build(tmp_path)
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.iterdir())  # nothing half-written left
 
 

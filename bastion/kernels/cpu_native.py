@@ -38,8 +38,8 @@ Each output is summed in the same order whatever the number of rows (cpu_gemm.c)
 does not depend on the other rows in the call: batch-invariant logits.
 
 The library is built with the system C compiler (``cc``, ``gcc`` or ``clang``; ``-O3 -march=native
--fopenmp``) into the per-user cache, keyed by the source, the flags and the CPU's feature flags, and
-loaded with ctypes after torch, so it shares torch's OpenMP runtime. Without a compiler, or where
+-fopenmp``; ``cpu_build.py``) into the per-user cache, keyed by the sources, the flags and the CPU's
+features, and loaded with ctypes after torch, so it shares torch's OpenMP runtime. Without a compiler, or where
 the build fails, :func:`available` is False and callers keep torch's routines (``cpu_linear``).
 Nothing is compiled at import time.
 """
@@ -47,82 +47,17 @@ Nothing is compiled at import time.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
-# compiled together into one library: the kernels, the decoder layers that chain them (cpu_layer.c) and
-# the sampler's uniform stream (cpu_noise.c)
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_layer.c"), Path(__file__).with_name("cpu_noise.c"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-lm"]
+from .cpu_build import build, declare
 
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why = ""
-
-
-def _cpu_flags() -> str:
-    # -march=native bakes in the build machine's instruction set: a cache shared between machines
-    # (network home directories) must not hand an AVX-512 build to a CPU without it
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), by its flags alone (no
-    build). Without them torch's bf16 autocast is emulated: a drafter training step on an AVX2 EPYC
-    took ~20 s against ~1 s in float32."""
-    flags = set(_cpu_flags().split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def _cache_dir() -> Path:
-    from ..embedded import default_cache_dir
-
-    return default_cache_dir() / "kernels"
-
-
-def _build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile cpu_gemm.c (once per source, flags and CPU) and return the shared library's path.
-
-    ``extra_flags`` follow ``-march=native`` (``-mno-avx512f`` builds the AVX2 code paths on an
-    AVX-512 machine: the tests check every path this CPU can run, not only the one it picks)."""
-    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    flags = FLAGS[:2] + list(extra_flags) + FLAGS[2:]
-    src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha1(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out_dir = cache_dir or _cache_dir()
-    lib = out_dir / f"bastion_gemm_{key}.so"
-    if lib.is_file():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: a concurrent process never loads a half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *flags[:-1], *map(str, SOURCES), "-o", tmp, flags[-1]], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
 
 
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
@@ -135,7 +70,7 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         _why = f"not built on {platform.system()}/{platform.machine()}"
         return None
     try:
-        lib = declare(ctypes.CDLL(str(_build(cache_dir))))
+        lib = declare(ctypes.CDLL(str(build(cache_dir))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why = str(e)
         return None
@@ -145,43 +80,6 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     elif not _self_test():
         _lib, _why = None, "the compiled kernel disagrees with torch on a test product"
     return _lib
-
-
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the argument and result types of the library's functions (returns ``lib``)."""
-    V, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.bastion_pack_f32.argtypes = [V, I64, I64, V, I]
-    lib.bastion_pack_f32.restype = None
-    lib.bastion_gemm_f32.argtypes = [V, I64, V, I64, I64, V, V, I]
-    lib.bastion_gemm_f32.restype = None
-    lib.bastion_gemm_panel.restype = I
-    lib.bastion_gemm_bf16.argtypes = [V, I64, V, I64, I64, V, V, I]
-    lib.bastion_gemm_bf16.restype = None
-    lib.bastion_gemm_bf16_available.restype = I
-    lib.bastion_gemm_h16.argtypes = [V, I64, V, I64, I64, V, V, I]
-    lib.bastion_gemm_h16.restype = None
-    for name in ("bastion_gemm_q4", "bastion_gemm_q8"):
-        getattr(lib, name).argtypes = [V, I64, V, I64, I64, V, V, I]
-        getattr(lib, name).restype = None
-    for name in ("bastion_pack_q4", "bastion_pack_q8"):
-        getattr(lib, name).argtypes = [V, I64, I64, V, I]
-        getattr(lib, name).restype = I64
-    lib.bastion_attn_f32.argtypes = [V, I64, I64, V, I64, I64, V, I64, I64, V, I64, V, I64, I64, I64, I64, I64,
-                                     ctypes.c_float, I]
-    lib.bastion_attn_f32.restype = I
-    lib.bastion_move_rows.argtypes = [V, V, V, I64, I64, I64, V, V, I64]
-    lib.bastion_move_rows.restype = None
-    lib.bastion_rms_norm_f32.argtypes = [V, I64, I64, V, ctypes.c_float, V]
-    lib.bastion_rms_norm_f32.restype = None
-    lib.bastion_rope_f32.argtypes = [V, I64, I64, I64, V, V, V]
-    lib.bastion_rope_f32.restype = None
-    lib.bastion_silu_f32.argtypes = [V, I64, I64, V]
-    lib.bastion_silu_f32.restype = None
-    lib.bastion_decoder_f32.argtypes = [V, I64, V, V, V, V, V, V, V, V, V, V, V, V, V, V, ctypes.c_float, I]
-    lib.bastion_decoder_f32.restype = I
-    lib.bastion_uniform_rows.argtypes = [V, I64, I64, V]
-    lib.bastion_uniform_rows.restype = None
-    return lib
 
 
 def _self_test() -> bool:
