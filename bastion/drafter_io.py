@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .drafter import DFlashDrafter, DrafterConfig, check_draft_vocab
+from .files import staged_folder
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -19,22 +18,13 @@ def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = Non
     """Write config.json + model.safetensors (DFlash layout); written to a temp folder, then renamed."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".drafter-", dir=folder.parent))
-    try:
+    with staged_folder(Path(folder), ".drafter-") as tmp:
         state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous().cpu()
                  for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; a saved model is an ordinary folder
         (tmp / WEIGHTS_FILE).chmod(0o644)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_drafter_folder(name_or_path, local_files_only: bool = False):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .files import staged_folder
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,9 +50,7 @@ def embedded_model_dir(cache_dir: Path | None = None, progress=print) -> Path:
 
     if progress:
         progress(f"converting {src.name} into {target} (once)...")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    with staged_folder(target, ".convert-") as tmp:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
         # A model loaded from GGUF refuses save_pretrained (it is marked quantized); its weights
@@ -65,10 +63,4 @@ def embedded_model_dir(cache_dir: Path | None = None, progress=print) -> Path:
         model.generation_config = loaded.generation_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

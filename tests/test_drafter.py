@@ -32,6 +32,31 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert torch.equal(d.draft(cache_a, 3, target.embed, target.lm_head), back.draft(cache_b, 3, target.embed, target.lm_head))
 
 
+def test_a_failed_save_leaves_the_old_folder_and_no_leftovers(tmp_path, monkeypatch):
+    """save_drafter writes into a temporary sibling (bastion.files.staged_folder) and renames it into
+    place: a save that fails half-way leaves the folder it would have replaced as it was."""
+    import safetensors.torch
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    old, new = tiny_drafter(target, seed=1), tiny_drafter(target, seed=2)
+    save_drafter(old, tmp_path / "d")
+    before = load_file(str(tmp_path / "d" / "model.safetensors"))
+
+    def broken(state, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_drafter(new, tmp_path / "d")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary folder left
+    after = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    save_drafter(new, tmp_path / "d")  # a save that completes replaces it
+    assert not torch.equal(load_file(str(tmp_path / "d" / "model.safetensors"))["fc.weight"], before["fc.weight"])
+
+
 def test_published_layout_names_and_config(tmp_path):
     target = tiny_target("qwen3", dtype=torch.float32)
     save_drafter(tiny_drafter(target, layers=2), tmp_path / "d")
