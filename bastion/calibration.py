@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .tree import DraftTree
@@ -59,6 +60,11 @@ def _pav(y: list[float], w: list[float]) -> list[float]:
 class AcceptanceCalibrator:
     """g(q, d): monotone in q per depth group, learned online from verified trees.
 
+    The counts are flat Python lists of G·bins cells (cell = group·bins + bin) and the fit a table of
+    log g on a q grid held as lists: a round touches a few dozen numbers, where tensor ops cost ~5 µs
+    each (the tensor version of ``observe`` and the draft's lookup took ~0.9 ms a round on the 2-core
+    CPU, ~4% of a Bastion round; bench/NOTES.md).
+
     Attributes:
         depth_groups: first depth of each group, ascending from 1 (default: 1, 2, 3–4, 5–8, 9+).
         bins: equal-width bins of q on [0, 1].
@@ -66,8 +72,9 @@ class AcceptanceCalibrator:
         decay: factor applied to all counts after each observed round.
         grid: resolution of the lookup table used by :meth:`log_g`.
         refresh: the table is rebuilt when the counts added since it was built exceed this share of
-            the (decayed) total: a 2% change in the evidence, not every round (a rebuild is ~0.5 ms
-            of a ~40 ms round on the 2-core CPU).
+            the (decayed) total: a 5% change in the evidence — every ~10 rounds once the counts have
+            settled (a rebuild cost ~0.5 ms inside a round on the 2-core CPU; at 2% it came every
+            third round), every round while few are known.
     """
 
     depth_groups: tuple[int, ...] = (1, 2, 3, 5, 9)
@@ -78,25 +85,50 @@ class AcceptanceCalibrator:
     path_prior: float = 4.0
     path_hits: float = 0.0    # decayed Σ accepted drafter nodes per tree
     path_pred: float = 0.0    # decayed Σ of their P(v) = Π g along the path (per-node fit, no scale)
-    hits: torch.Tensor = field(default=None)   # [G, bins] decayed accepted counts
-    tries: torch.Tensor = field(default=None)  # [G, bins] decayed tested counts
-    qsum: torch.Tensor = field(default=None)   # [G, bins] decayed Σ q of tested nodes
-    refresh: float = 0.02     # rebuild the log g table when new counts exceed this share of all
-    _table: torch.Tensor | None = field(default=None, repr=False)  # [G, grid] log g on the q grid
+    refresh: float = 0.05     # rebuild the log g table when new counts exceed this share of all
+    _hits: list[float] = field(default_factory=list, repr=False)   # [G·bins] decayed accepted counts
+    _tries: list[float] = field(default_factory=list, repr=False)  # [G·bins] decayed tested counts
+    _qsum: list[float] = field(default_factory=list, repr=False)   # [G·bins] decayed Σ q of tested nodes
+    _table: np.ndarray | None = field(default=None, repr=False)  # [G, grid] float32 log g on the q grid
+    _lists: list[list[float]] | None = field(default=None, repr=False)  # the same as lists, for scalar()
+    _tensor: torch.Tensor | None = field(default=None, repr=False)  # the same as a tensor, for log_g()
     _since: float = field(default=0.0, repr=False)  # counts observed since the table was built
-    _rows: tuple | None = field(default=None, repr=False)  # (the table, its rows as lists) for scalar()
+    _groups: list[int] = field(default_factory=list, repr=False)  # group of depth d at index d
 
     def __post_init__(self) -> None:
         if list(self.depth_groups) != sorted(set(self.depth_groups)) or self.depth_groups[0] != 1:
             raise ValueError(f"depth_groups must ascend from 1, got {self.depth_groups}")
-        shape = (len(self.depth_groups), self.bins)
-        for name in ("hits", "tries", "qsum"):
-            if getattr(self, name) is None:
-                setattr(self, name, torch.zeros(shape, dtype=torch.float64))
+        cells = len(self.depth_groups) * self.bins
+        for name in ("_hits", "_tries", "_qsum"):
+            if not getattr(self, name):
+                setattr(self, name, [0.0] * cells)
+
+    # ------------------------------------------------------------- counts
+    def _counts(self, cells: list[float]) -> torch.Tensor:
+        return torch.tensor(cells, dtype=torch.float64).view(len(self.depth_groups), self.bins)
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """[G, bins] decayed accepted counts (a copy)."""
+        return self._counts(self._hits)
+
+    @property
+    def tries(self) -> torch.Tensor:
+        """[G, bins] decayed tested counts (a copy)."""
+        return self._counts(self._tries)
+
+    @property
+    def qsum(self) -> torch.Tensor:
+        """[G, bins] decayed Σ q of the tested nodes (a copy)."""
+        return self._counts(self._qsum)
 
     # ------------------------------------------------------------- learning
     def group(self, depth: int) -> int:
-        return sum(1 for g in self.depth_groups if depth >= g) - 1
+        groups = self._groups
+        while len(groups) <= depth:
+            d = len(groups)
+            groups.append(sum(1 for g in self.depth_groups if d >= g) - 1)
+        return groups[depth]
 
     def observe(self, tree: DraftTree, raw_marginals: list[float], accepted: list[int]) -> int:
         """Count every *tested* drafter node of one verified tree: a node whose parent was accepted
@@ -105,33 +137,34 @@ class AcceptanceCalibrator:
         ``raw_marginals[i]`` is node i's drafter marginal q (uncalibrated); ``accepted`` the walked
         node indices, root first. Returns the number of nodes counted.
         """
-        on_path = set(accepted)
-        self.hits.mul_(self.decay)
-        self.tries.mul_(self.decay)
-        self.qsum.mul_(self.decay)
+        on_path, decay = set(accepted), self.decay
+        parents, ranks, depths = tree.parents, tree.ranks, tree.depths
+        if decay != 1.0:
+            self._hits = [v * decay for v in self._hits]
+            self._tries = [v * decay for v in self._tries]
+            self._qsum = [v * decay for v in self._qsum]
         # the path scale, from this tree's path products under the per-node fit before this update
         # (whatever surrogate built the tree)
-        mine = [i for i in range(1, len(tree)) if tree.ranks[i] >= 0]
+        mine = [i for i in range(1, len(tree)) if ranks[i] >= 0]
         if mine:
-            if self._table is None:
-                self._table = self._build_table()
-            rows = torch.tensor([self.group(tree.depths[i]) for i in mine], dtype=torch.long)
-            qs = torch.tensor([raw_marginals[i] for i in mine], dtype=torch.float32)
-            cells = self._table[rows, self._grid_index(qs)].tolist()  # the same lookup as log_g
-            logp = [0.0] * len(tree)
-            for i, cell in zip(mine, cells):  # parents come before children; a drafter node's parent is one or the root
-                logp[i] = logp[tree.parents[i]] + cell
-            self.path_pred = self.decay * self.path_pred + sum(math.exp(logp[i]) for i in mine)
-            self.path_hits = self.decay * self.path_hits + sum(1 for i in mine if i in on_path)
+            table, top = self._rows(), self.grid - 1
+            logp, pred = [0.0] * len(tree), 0.0
+            for i in mine:  # parents come before children; a drafter node's parent is one or the root
+                q = raw_marginals[i]
+                logp[i] = logp[parents[i]] + table[self.group(depths[i])][round(min(max(q, 0.0), 1.0) * top)]
+                pred += math.exp(logp[i])
+            self.path_pred = decay * self.path_pred + pred
+            self.path_hits = decay * self.path_hits + sum(1 for i in mine if i in on_path)
         # tested drafter nodes (a node whose parent was accepted; lookup nodes have their own rates)
-        tested = [i for i in range(1, len(tree)) if tree.parents[i] in on_path and tree.ranks[i] >= 0]
-        if tested:  # one scatter-add per count (element-wise tensor updates cost ~5 µs each)
-            qs = [min(max(raw_marginals[i], 0.0), 1.0) for i in tested]
-            cell = torch.tensor([self.group(tree.depths[i]) * self.bins + min(int(q * self.bins), self.bins - 1)
-                                 for i, q in zip(tested, qs)])
-            for counts, add in ((self.tries, [1.0] * len(tested)), (self.qsum, qs),
-                                (self.hits, [1.0 if i in on_path else 0.0 for i in tested])):
-                counts.view(-1).index_add_(0, cell, torch.tensor(add, dtype=counts.dtype))
+        tested = [i for i in range(1, len(tree)) if parents[i] in on_path and ranks[i] >= 0]
+        bins = self.bins
+        for i in tested:
+            q = min(max(raw_marginals[i], 0.0), 1.0)
+            cell = self.group(depths[i]) * bins + min(int(q * bins), bins - 1)
+            self._tries[cell] += 1.0
+            self._qsum[cell] += q
+            if i in on_path:
+                self._hits[cell] += 1.0
         # the log g table is rebuilt once the counts since it was built reach ``refresh`` of the
         # decayed total (each round while few are known; every few rounds once thousands are)
         self._since += len(tested)
@@ -141,36 +174,46 @@ class AcceptanceCalibrator:
 
     def knots(self, g: int) -> tuple[list[float], list[float]]:
         """(q̄_b, ĝ_b) per bin of depth group g, ĝ made non-decreasing."""
+        cells = slice(g * self.bins, (g + 1) * self.bins)
+        tries, hits, qsum = self._tries[cells], self._hits[cells], self._qsum[cells]
         mids = [(b + 0.5) / self.bins for b in range(self.bins)]
-        tries, hits, qsum = self.tries[g].tolist(), self.hits[g].tolist(), self.qsum[g].tolist()
         xs = [qs / t if t > 1e-9 else m for qs, t, m in zip(qsum, tries, mids)]
         ys = [(h + self.prior * x) / (t + self.prior) for h, t, x in zip(hits, tries, xs)]
         return xs, _pav(ys, [t + self.prior for t in tries])
 
-    def _build_table(self) -> torch.Tensor:
-        """[G, grid] log g: each group's knots, through the origin and flat beyond the last one,
-        interpolated linearly on the q grid. Rebuilt whenever ``refresh`` new evidence has come in
-        (every round at first), so all groups are interpolated in one batch of tensor ops (a loop per
-        group cost ~1 ms a round)."""
-        xs, ys = [], []
+    def _build_table(self) -> np.ndarray:
+        """[G][grid] log g: each group's knots, through the origin and flat beyond the last one,
+        interpolated linearly on the q grid (NumPy's interp, one call a group: ~0.1 ms a rebuild),
+        rounded to float32 like every other log confidence."""
+        grid = np.linspace(0.0, 1.0, self.grid)
+        rows = []
         for g in range(len(self.depth_groups)):
             kx, ky = self.knots(g)
-            xs.append([0.0] + kx + [1.0])
-            ys.append([0.0] + ky + [ky[-1]])
-        x = torch.tensor(xs, dtype=torch.float64)  # [G, bins + 2]
-        y = torch.tensor(ys, dtype=torch.float64)
-        x, order = torch.sort(x, dim=1, stable=True)
-        y = torch.cummax(y.gather(1, order), 1).values
-        q = torch.linspace(0.0, 1.0, self.grid, dtype=torch.float64).expand(x.shape[0], -1).contiguous()
-        j = torch.searchsorted(x, q, right=True).clamp(1, x.shape[1] - 1)
-        x0, x1, y0, y1 = x.gather(1, j - 1), x.gather(1, j), y.gather(1, j - 1), y.gather(1, j)
-        w = torch.where(x1 > x0, (q - x0) / (x1 - x0).clamp(min=1e-12), torch.zeros_like(q))
-        return (y0 + w * (y1 - y0)).clamp(1e-9, 1.0).log().float()
+            pts = sorted(zip([0.0] + kx + [1.0], [0.0] + ky + [ky[-1]]), key=lambda p: p[0])  # stable
+            ys, top = [], 0.0
+            for _, y in pts:  # non-decreasing (the knots are; the end points keep them so)
+                top = max(top, y)
+                ys.append(top)
+            rows.append(np.interp(grid, [x for x, _ in pts], ys))
+        return np.log(np.clip(np.stack(rows), 1e-9, 1.0)).astype(np.float32)
+
+    def _array(self) -> np.ndarray:
+        """The table [G, grid], rebuilt if new evidence invalidated it."""
+        if self._table is None:
+            self._table, self._lists, self._tensor = self._build_table(), None, None
+        return self._table
+
+    def _rows(self) -> list[list[float]]:
+        """The table as lists (scalar lookups)."""
+        table = self._array()
+        if self._lists is None:
+            self._lists = table.tolist()
+        return self._lists
 
     # ------------------------------------------------------------- applying
     @property
     def observed(self) -> float:
-        return float(self.tries.sum())
+        return math.fsum(self._tries)
 
     @property
     def path_scale(self) -> float:
@@ -184,18 +227,35 @@ class AcceptanceCalibrator:
         Depth 1 includes the path scale κ unless ``path_scale`` is False (the per-node fit alone).
 
         With no observations this returns logq itself (the identity), so an untouched calibrator
-        leaves every strategy exactly as without it.
+        leaves every strategy exactly as without it. (The engine's per-round form is
+        :meth:`log_g_rows`.)
         """
         if self.observed == 0.0:
             return logq
-        if self._table is None:
-            self._table = self._build_table()
+        table = self._array()
+        if self._tensor is None:
+            self._tensor = torch.from_numpy(table)
         D = logq.shape[0]
         rows = torch.tensor([self.group(d + 1) for d in range(D)], dtype=torch.long)
-        out = self._table[rows[:, None], self._grid_index(logq.detach().float().cpu().exp())]
+        q = logq.detach().float().cpu().exp()
+        out = self._tensor[rows[:, None], (q.clamp(0.0, 1.0) * (self.grid - 1)).round().long()]
         if D and path_scale and self.path_scale < 1.0:
             out[0] += math.log(self.path_scale)
         return out.to(logq.device, logq.dtype)
+
+    def log_g_rows(self, logq: torch.Tensor) -> list[list[float]] | None:
+        """:meth:`log_g` (path scale included) of a draft's [D, k] top-k log q on the CPU, as lists
+        (the engine's per-round form: NumPy, ~15 µs where the tensor ops cost ~0.3 ms); None while
+        nothing is observed (g = q: use ``logq`` itself). The grid rounding is :meth:`scalar`'s."""
+        if self.observed == 0.0:
+            return None
+        q = np.exp(logq.detach().numpy().astype(np.float64))
+        cols = np.rint(np.clip(q, 0.0, 1.0) * (self.grid - 1)).astype(np.int64)
+        groups = np.array([self.group(d + 1) for d in range(q.shape[0])], dtype=np.int64)
+        out = self._array()[groups[:, None], cols].astype(np.float64)
+        if q.shape[0] and self.path_scale < 1.0:
+            out[0] += math.log(self.path_scale)
+        return out.tolist()
 
     def scalar(self) -> Callable[[int, list[float]], list[float]] | None:
         """log g as a Python function of (depth, [q, ...]) — :meth:`log_g` for a few probabilities
@@ -203,26 +263,15 @@ class AcceptanceCalibrator:
         observed (g = q). Same table, same grid rounding, same path scale at depth 1."""
         if self.observed == 0.0:
             return None
-        if self._table is None:
-            self._table = self._build_table()
-        if self._rows is None or self._rows[0] is not self._table:  # the table as lists, once per build
-            self._rows = (self._table, self._table.tolist())
-        rows, top = self._rows[1], self.grid - 1
+        table, top, group = self._rows(), self.grid - 1, self.group
         scale = math.log(self.path_scale) if self.path_scale < 1.0 else 0.0
-        by_depth: dict[int, list[float]] = {}
 
         def log_g(depth: int, qs: list[float]) -> list[float]:
-            row = by_depth.get(depth)
-            if row is None:
-                row = by_depth[depth] = rows[self.group(depth)]
-                if depth == 1 and scale:
-                    row = by_depth[depth] = [v + scale for v in row]
+            row = table[group(depth)]
+            if depth == 1 and scale:
+                return [row[round(min(max(x, 0.0), 1.0) * top)] + scale for x in qs]
             return [row[round(min(max(x, 0.0), 1.0) * top)] for x in qs]
         return log_g
-
-    def _grid_index(self, q: torch.Tensor) -> torch.Tensor:
-        """The nearest point of the q grid (a column of the table) for each q, clamped into [0, 1]."""
-        return (q.clamp(0.0, 1.0) * (self.grid - 1)).round().long()
 
     def curve(self, depth: int, qs: list[float], path_scale: bool = False) -> list[float]:
         """g(q, depth) at the given q values (for plots): the per-node fit, or with ``path_scale`` what
@@ -241,8 +290,9 @@ class AcceptanceCalibrator:
         out = []
         for g, first in enumerate(self.depth_groups):
             for b in range(self.bins):
-                t = float(self.tries[g, b])
+                c = g * self.bins + b
+                t = self._tries[c]
                 if t >= 1.0:
-                    out.append({"depths_from": first, "q": float(self.qsum[g, b]) / t,
-                                "rate": float(self.hits[g, b]) / t, "count": t})
+                    out.append({"depths_from": first, "q": self._qsum[c] / t, "rate": self._hits[c] / t,
+                                "count": t})
         return out

@@ -57,6 +57,7 @@ class Datastore:
         self._index = {n: self._build(n) for n in self.ngrams}
         self._counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see _gram_counts
         self._succ_cache: dict[tuple[int, ...], tuple[dict[int, int], int]] = {}
+        self._np: dict[int, tuple] = {}  # see _arrays
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -96,24 +97,32 @@ class Datastore:
         for n in self.ngrams:
             if len(context) < n:
                 continue
-            hashes, ends = self._index[n]
+            # NumPy views of the index: a query is a few small ops, which cost ~1 µs each there
+            # against ~10 µs as tensor ops (bench/NOTES.md, session 33)
+            hashes, ends = self._arrays(n)
             key = 0
             for t in context[-n:]:  # _hash of one n-gram, in Python ints (a query is a few tokens)
                 key = key * (self.vocab_size + 1) + (int(t) + 1)
-            key = torch.tensor(key, dtype=torch.long)
-            lo = int(torch.searchsorted(hashes, key))
-            hi = int(torch.searchsorted(hashes, key, right=True))
+            lo, hi = int(np.searchsorted(hashes, key, "left")), int(np.searchsorted(hashes, key, "right"))
             if hi == lo:
                 continue
             starts = ends[max(lo, hi - self.cap):hi] + 1  # the latest occurrences
-            span = torch.arange(max_tokens)
-            cont = self.tokens[(starts[:, None] + span).clamp(max=self.tokens.numel() - 1)]
+            tokens = self._arrays(0)[0]
+            cont = tokens[np.minimum(starts[:, None] + np.arange(max_tokens), tokens.size - 1)]
             out = self._walk(cont)
             if out:
                 return Proposal(out, n)
         return None
 
-    def _walk(self, cont: torch.Tensor) -> list[int]:
+    def _arrays(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """NumPy views (no copies) of the n-gram index (hashes, ends); n = 0: (the tokens, None)."""
+        got = self._np.get(n)
+        if got is None:
+            got = self._np[n] = (self.tokens.numpy(), None) if n == 0 else \
+                tuple(t.numpy() for t in self._index[n])
+        return got
+
+    def _walk(self, cont: np.ndarray) -> list[int]:
         """Greedy frequency walk over continuations [m, k]: keep the agreeing rows at each depth; a
         tie goes to the smaller token id. In Python lists: m ≤ ``cap`` rows of k ≤ ~10 tokens, where
         a tensor op per depth cost more than the walk."""

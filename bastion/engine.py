@@ -362,9 +362,10 @@ class Engine:
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]
             k = 1 if cfg.strategy == "chain" else req.depth.width(self._rule(cfg).max_nodes)
             raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), req.vocab)
-            used = req.calib.log_g(raw) if cfg.calibrate else raw
-            topk = (used.float().cpu().tolist(), ids.cpu().tolist())
-            return _Draft(topk, raw.float().cpu().tolist() if used is not raw else None)
+            raw = raw.float().cpu()
+            used = req.calib.log_g_rows(raw) if cfg.calibrate else None  # None: g = q so far
+            raw = raw.tolist()
+            return _Draft((raw if used is None else used, ids.cpu().tolist()), None if used is None else raw)
 
     def _plan(self, req: _Request, draft: _Draft | None, prefix: int, times: StageTimes) -> _Plan:
         """The tree this round verifies and its inputs: best-first growth from the draft, the draft

@@ -144,3 +144,23 @@ def test_scalar_lookup_equals_the_table_lookup():
         rows[depth - 1] = torch.tensor(qs).log()
         want = cal.log_g(rows)[depth - 1].tolist()  # depth 1 includes the path scale in both
         assert f(depth, qs) == pytest.approx(want, abs=1e-6)
+
+
+def test_row_lookup_equals_the_tensor_lookup():
+    """The engine calibrates each draft's top-k through log_g_rows (NumPy); it must give log_g's values,
+    path scale included, and None (the identity) while nothing is observed."""
+    logq = torch.log_softmax(torch.randn(7, 16), -1).sort(-1, descending=True).values
+    assert AcceptanceCalibrator().log_g_rows(logq) is None
+    cal = AcceptanceCalibrator()
+    _feed(cal, lambda q: q * q, 2000, depth=1)
+    _feed(cal, lambda q: 0.6 * q, 2000, depth=4, seed=2)
+    for r in range(50):  # a path scale below 1, so depth 1's shift is exercised
+        tree = DraftTree.root_only(0)
+        a = tree.add(5, 0, 0.9, 0.9, 0)
+        tree.add(6, a, 0.9, 0.81, 0)
+        cal.observe(tree, tree.marginals, [0])
+    assert cal.path_scale < 0.9
+    got = torch.tensor(cal.log_g_rows(logq), dtype=torch.float64)
+    assert got.shape == logq.shape
+    assert torch.allclose(got, cal.log_g(logq).double(), atol=1e-6)
+    assert not torch.allclose(got, logq.double(), atol=1e-2)  # it did calibrate
