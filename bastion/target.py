@@ -305,7 +305,8 @@ class Target:
         (:meth:`NativeDecoder.qualifies`) and the cache's layers append in place; else None."""
         if not self.fused or plan is None:
             return None
-        if any(type(c) is not GrowingLayer or not c.is_initialized or c.keys.dim() != 4 for c in self.cache.layers):
+        if any(type(c) is not GrowingLayer or not c.is_initialized or not (c.in_buffers() or c.keys.dim() == 4)
+               for c in self.cache.layers):
             return None
         if self._fused is not None and self._fused.current(layers, plan):
             return self._fused
@@ -455,9 +456,10 @@ class Target:
             src = [prefix_len + a for a in accepted]
             # on the CPU one native call moves the rows of every layer (two torch ops per tensor cost
             # ~0.4 ms a round on the embedded target); elsewhere, or for other layouts, torch
-            if not (self.device.type == "cpu" and cpu_native.move_rows(
-                    [t for layer in layers for t in (layer.keys, layer.values)], src,
-                    list(range(prefix_len, keep)))):
+            # (a growing layer's buffers: the same rows and strides, without slicing 60 views)
+            tensors = [t for layer in layers for t in (layer.buffers() if type(layer) is GrowingLayer
+                                                       and layer.in_buffers() else (layer.keys, layer.values))]
+            if not (self.device.type == "cpu" and cpu_native.move_rows(tensors, src, list(range(prefix_len, keep)))):
                 idx = torch.tensor(src, device=self.device)
                 for layer in layers:
                     layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, idx)

@@ -74,6 +74,33 @@ def test_growing_layer_adopts_keys_set_from_outside():
     assert keys.shape[2] == values.shape[2] == 6
 
 
+def test_growing_layer_counts_rows_without_views_and_slices_them_when_read():
+    """reserve / advance / crop move only the row count; keys and values, when read, are the buffers'
+    first rows; a value assigned from outside replaces both views consistently."""
+    layer = GrowingLayer()
+    k = torch.randn(1, 2, 3, 4)
+    layer.update(k, -k)
+    kb, vb = layer.reserve(2)
+    assert layer.in_buffers() and kb.shape[2] >= 5
+    kb[:, :, 3:5], vb[:, :, 3:5] = 7.0, -7.0
+    layer.advance(2)
+    assert layer._pending == 5 and layer.rows() == layer.get_seq_length() == 5  # no views made yet
+    assert torch.equal(layer.keys[:, :, :3], k) and torch.equal(layer.values[:, :, 3:], torch.full((1, 2, 2, 4), -7.0))
+    assert layer.keys.data_ptr() == kb.data_ptr() and layer._pending is None
+    layer.crop(-4)
+    assert layer.rows() == 1 and layer._pending == 1
+    assert torch.equal(layer.keys, k[:, :, :1]) and torch.equal(layer.values, -k[:, :, :1])
+    layer.advance(1)  # stale again; then a value set from outside: keys must not be rebuilt from the count
+    layer.values = torch.zeros(1, 2, 2, 4)
+    assert layer.keys.shape[2] == 2 and torch.equal(layer.keys[:, :, :1], k[:, :, :1])
+    layer.keys, layer.values = torch.ones(1, 2, 6, 4), torch.ones(1, 2, 6, 4)
+    assert not layer.in_buffers() and layer.rows() == 6
+    keys, values = layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))  # adopted, then appended
+    assert keys.shape[2] == values.shape[2] == 7 and torch.equal(keys[:, :, :6], torch.ones(1, 2, 6, 4))
+    layer.reset()
+    assert layer.rows() == 0 and layer.keys is None
+
+
 @pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
                     reason="native kernel not built here")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -130,7 +130,7 @@ class NativeDecoder:
         """A target's layers on x [1, n, h] appending n rows to every cache layer
         (``kvcache.GrowingLayer``: reserve, write, advance); returns x."""
         n = x.shape[1]
-        past = cache_layers[0].keys.shape[-2]
+        past = cache_layers[0].rows()
         bufs = [c.reserve(n) for c in cache_layers]
         self.run(x, [b[0] for b in bufs], [b[1] for b in bufs], past, cos, sin, mask, scale, threads, capture)
         for c in cache_layers:
