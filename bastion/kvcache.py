@@ -71,9 +71,10 @@ class GrowingLayer(DynamicLayer):
         """Whether the layer's rows are the first rows of its own buffers (views of them, or stale)."""
         if self._pending is not None:
             return True
-        return (self._kbuf is not None and self._keys is not None and self._values is not None
-                and self._keys.dim() == 4 and self._keys.data_ptr() == self._kbuf.data_ptr() and self._values.data_ptr() == self._vbuf.data_ptr()
-                and self._keys.stride() == self._kbuf.stride() and self._keys.shape[:2] == self._kbuf.shape[:2])
+        k, v, kb = self._keys, self._values, self._kbuf
+        return (kb is not None and k is not None and v is not None and k.dim() == 4
+                and k.data_ptr() == kb.data_ptr() and v.data_ptr() == self._vbuf.data_ptr()
+                and k.stride() == kb.stride() and k.shape[:2] == kb.shape[:2])
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers [b, heads, capacity, d] (valid when :meth:`in_buffers`)."""
@@ -109,10 +110,8 @@ class GrowingLayer(DynamicLayer):
             if n:
                 kbuf[:, :, :n] = self.keys
                 vbuf[:, :, :n] = self.values
-            self._pending = None
-            self._kbuf, self._vbuf = kbuf, vbuf
-            if n:
-                self._pending = n  # the rows now live in the new buffers
+            # the rows now live in the new buffers (none yet: the views stay as they are until written)
+            self._kbuf, self._vbuf, self._pending = kbuf, vbuf, n or None
 
     def reserve(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for m more rows after the layer's rows (an initialised layer of 4-D keys), nothing

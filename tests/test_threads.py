@@ -62,11 +62,13 @@ def test_one_thread_has_nowhere_to_go_and_bad_settings_are_refused():
 
 
 class Stalling(ThreadGovernor):
-    """Rounds 2-4 of its life report a verification 100× slower than measured."""
+    """Rounds 2-4 of its life report a verification 100× slower than predicted, every other round
+    exactly its prediction: the host's own timing noise must not count (a CI run once measured a
+    tiny model's first round over 2× its probe, and the governor rightly shed a round early)."""
 
     def observe(self, measured_s, predicted_s):
         self.rounds = getattr(self, "rounds", 0) + 1
-        return super().observe(measured_s * (100.0 if 2 <= self.rounds <= 4 else 1.0), predicted_s)
+        return super().observe(predicted_s * (100.0 if 2 <= self.rounds <= 4 else 1.0), predicted_s)
 
 
 def test_the_engine_sheds_threads_on_a_stall_restores_the_callers_count_and_stays_lossless():
