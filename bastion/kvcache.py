@@ -32,30 +32,23 @@ class GrowingLayer(DynamicLayer):
         self._kbuf = self._vbuf = None
         super().__init__(**kwargs)
 
-    # the views: made from the buffers when stale, else whatever was last assigned
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._pending is not None:
-            self._views()
-        return self._keys
+    def _view(attr: str) -> property:
+        """``keys`` / ``values``: made from the buffers when stale, else whatever was last assigned. An
+        assignment first brings the other view up to date, so it is never rebuilt from a stale count."""
+        def get(self) -> torch.Tensor | None:
+            if self._pending is not None:
+                self._views()
+            return getattr(self, attr)
 
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if self._pending is not None:  # the other view must not be rebuilt later from a stale count
-            self._views()
-        self._keys = value
+        def put(self, value: torch.Tensor | None) -> None:
+            if self._pending is not None:
+                self._views()
+            setattr(self, attr, value)
+        return property(get, put)
 
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._pending is not None:
-            self._views()
-        return self._values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if self._pending is not None:
-            self._views()
-        self._values = value
+    keys = _view("_keys")
+    values = _view("_values")
+    del _view
 
     def _views(self) -> None:
         n, self._pending = self._pending, None
