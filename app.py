@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="skip the short warm-up generation (run once the page is served)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    runtime = Runtime.load(a.model, a.device)  # once per process; every session shares it
+    try:
+        runtime = Runtime.load(a.model, a.device)  # once per process; every session shares it
+    except (OSError, ValueError) as exc:  # a bad --model/--device: one line, no traceback, nothing served
+        raise SystemExit(f"error: cannot load: {exc}") from None
     demo = create_app(runtime)
     if a.no_warmup:
         launch(demo, a.host, a.port)

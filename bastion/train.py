@@ -43,7 +43,7 @@ from .drafter import DFlashDrafter, spread_layer_ids
 from .drafter_io import load_drafter, save_drafter
 from .distill import make_batch, noisy_features, train_step
 from .drafter_ops import average_drafters, build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
-from .loading import EMBEDDED, load_target
+from .loading import EMBEDDED, checked_device, load_target
 from .target import Target
 from .traindata import atomic_save, count_shards, load_shards, make_data, make_replay, progress
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
@@ -426,11 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        device = torch.device(a.device)
-    except RuntimeError as e:
-        ap.error(f"--device {a.device!r}: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
+        device = torch.device(checked_device(a.device))
+    except ValueError as e:
+        ap.error(f"--device: {e}")
     if a.cmd == "average":  # checked before the target loads
         if len(a.drafter) < 2:
             ap.error("average: give two or more --drafter folders")

@@ -385,3 +385,20 @@ def test_serving_threads_compute_nothing_with_torch(temperature):
         round_view(run, 1, THIS_MACHINE)
     assert run["status"] == "finished" and run["calibration"]["curves"] and len(run["steps"]) > 1
     assert not seen.calls, sorted(set(seen.calls))
+
+
+@pytest.mark.parametrize("args,message", [(["--model", "/no/such/model"], "neither a local folder"),
+                                          (["--device", "gpu0"], "unknown device")])
+def test_app_refuses_a_bad_model_or_device_in_one_line(args, message):
+    """`python app.py` with a model or device it cannot load: exit status 1, one `error:` line, no
+    traceback, and no server started (the failure comes before `launch`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "app.py", "--port", "7898", *args], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "Running on" not in r.stdout + r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: cannot load:") and message in r.stderr, r.stderr

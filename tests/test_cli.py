@@ -22,6 +22,7 @@ def cli(*args, timeout=600):
     (["--prompt", "hi", "--strategy", "beam"], "unknown strategy"),
     (["--prompt", "hi", "--model", "/no/such/model"], "neither a local folder"),
     (["--prompt", "hi", "--kernels", "cuda"], "kernel backend"),
+    (["--prompt", "hi", "--device", "gpu0"], "unknown device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, msg, tmp_path):
     trace = tmp_path / "t.jsonl"
@@ -30,6 +31,21 @@ def test_bad_input_is_one_line_and_exit_2(args, msg, tmp_path):
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and msg in lines[0], r.stderr
     assert "Traceback" not in r.stderr and not trace.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_a_gpu_request_without_a_gpu_is_one_line_before_any_loading(tmp_path):
+    """--device cuda on a CPU-only machine, and the compiled Triton kernels on CPU tensors (no interpreter):
+    each a one-line error before the model loads, not a traceback from inside torch or the first round."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for args, msg in ((["--device", "cuda"], "no CUDA GPU is visible"), (["--kernels", "triton"], "Triton kernels need")):
+        r = subprocess.run([sys.executable, "-m", "bastion", "generate", "--prompt", "hi", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and "error:" in r.stderr and msg in r.stderr, r.stderr
+        assert "Loading weights" not in r.stderr or args[0] == "--kernels", r.stderr
 
 
 @pytest.mark.slow

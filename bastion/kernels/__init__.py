@@ -55,4 +55,5 @@ def get_kernels(backend: str = "auto", device: torch.device | str = "cpu") -> Ke
         raise RuntimeError("kernel backend 'triton' requested but triton cannot be imported")
     from . import triton_kernels  # imported lazily: importing triton is slow and optional
 
+    triton_kernels.launch_device(device)  # CPU data without a GPU or the interpreter: fail here, not mid-run
     return triton_kernels.KERNELS

@@ -194,7 +194,7 @@ def _node_choice(logits: torch.Tensor, temperature: float, thresholds: torch.Ten
     if mode == "other":  # torch tempers, the kernel multiplies by 1 (exact)
         logits, temperature, mode = logits.float() / temperature, 1.0, "reciprocal32"
     reciprocal = mode.startswith("reciprocal")
-    logits = logits.to(_launch_device(home))
+    logits = logits.to(launch_device(home))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -275,7 +275,7 @@ def _tree_walk_kernel(meta_ptr, choices_ptr, out_ptr, n, BLOCK_N: tl.constexpr, 
     tl.store(out_ptr + 2 + depth, j.to(tl.int64), mask=ok != 0)
 
 
-def _launch_device(device) -> torch.device:
+def launch_device(device) -> torch.device:
     """Where the kernels run for data living on ``device``.
 
     Compiled Triton needs GPU tensors: CPU data is then processed on the current GPU (and the
@@ -304,10 +304,10 @@ def tree_walk(parents: list[int], tokens: list[int], choices: torch.Tensor | lis
     if n == 0 or len(tokens) != n:
         raise ValueError("tree_walk needs a non-empty tree with one token per node")
     if isinstance(choices, torch.Tensor):
-        device = _launch_device(choices.device)
+        device = launch_device(choices.device)
         choices = choices.to(device).contiguous()
     else:
-        device = _launch_device(None)
+        device = launch_device(None)
         choices = torch.tensor(choices, dtype=torch.int64, device=device)
     if choices.numel() < n:
         raise ValueError(f"need one choice per node: {choices.numel()} choices for {n} nodes")
@@ -376,7 +376,7 @@ def tree_mask(parents: list[int], prefix_len: int, dtype: torch.dtype = torch.fl
     if prefix_len < 0:
         raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
     target = torch.device("cpu") if device is None else torch.device(device)
-    run_on = _launch_device(target)
+    run_on = launch_device(target)
     # float64's minimum does not fit the kernel's float32 scalar: build it from a float32 mask
     kernel_dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     mask = torch.empty(1, 1, n, prefix_len + n, dtype=kernel_dtype, device=run_on)
