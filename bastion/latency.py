@@ -16,7 +16,16 @@ after every timed verification. Two lines cannot follow a curve with kinks — o
 routine changes with the row count (the embedded target, 2 cores: 4 rows 47 ms, 5 rows 60 ms, 9 rows
 67 ms) — so each row count s also keeps a running ratio ρ(s) of measured to roofline time
 (interpolated between the counts seen, 1 until any is seen), and the prediction is ρ(s)·C(s, c).
-On a GPU, where the curve is smooth, ρ stays near 1. Where the measured cost is not monotone in s
+On a GPU, where the curve is smooth, ρ stays near 1. Two things keep ρ honest on a shared machine,
+where a verification now and then stalls several-fold (another process, a browser drawing the app's
+page on the same cores): each sample moves log ρ(s) by at most a factor 2 before the running
+average (a 10× stall raises ρ by ~15%, not ~3×), and every sample pulls the row counts *not* being
+measured a little toward the probe's shape at the host's present level,
+
+    ρ(u) ← ρ(u)·(b(u)·ρ(s)/b(s) / ρ(u))^λ,   b(u) = probe time of u rows / C(u, c_probe),
+
+so a count that a stall once made look dear is not avoided — and so never re-measured — for the
+rest of the engine's life. Where the measured cost is not monotone in s
 (small matrix products on a CPU), :class:`RowPadding` runs a tree as the cheapest row count at or
 above its size, so C is fitted and used on the monotone envelope.
 """
@@ -174,7 +183,11 @@ class LatencyModel:
     assigning each sample to the branch that currently predicts the larger time. Once the window
     holds ``2·refit_every`` samples the refit runs every ``refit_every``-th sample (a refit walks the
     whole window: ~0.3 ms of Python a round on the 2-core CPU, where one sample moves a 128-sample fit
-    little); the per-size ratio ρ(s) follows every sample.
+    little); the per-size ratio ρ(s) follows every sample. The fit is robust to stalls: a sample
+    whose log-ratio to the current fit lies more than log ``shape_step`` from the window's median
+    log-ratio weighs (log shape_step / |distance|)² as much (one 8× off counts ~1/9), so a burst of
+    stalled verifications does not raise every prediction; a lasting change of the host's speed moves
+    the median, and ρ(s) carries it meanwhile.
     """
 
     model: ModelSpec
@@ -190,12 +203,15 @@ class LatencyModel:
     calibrated: bool = False
     shape: dict[int, float] = field(default_factory=dict)  # ρ(s): running measured / roofline per row count
     shape_rate: float = 0.2
+    shape_step: float = 2.0  # one sample moves ρ(s) by at most this factor before the running average
+    shape_relax: float = 0.05  # λ: pull of each sample on the other counts' ρ toward the probe's shape
     refit_every: int = 4  # α, β refitted every this many samples (every one while the window is short)
     # The engine's probe timings (observe_many(..., anchor=True)), kept beside the window: once a run
     # of AR steps or of similar trees has pushed them out (sizes left < 4x apart), reanchor() feeds
     # them in again at the host's present speed, so one probe serves an engine's whole life.
     anchors: list[tuple[int, int, float]] = field(default_factory=list)
     _unfit: int = field(default=0, repr=False)  # samples since the last refit
+    _probe_shape: dict[int, float] | None = field(default=None, repr=False)  # b(u), remade at each refit
 
     # ------------------------------------------------------------- prediction
     def t_comp(self, s: int, c: int) -> float:
@@ -232,9 +248,35 @@ class LatencyModel:
         self._unfit += 1
         if self._unfit >= self.refit_every or len(self.samples) < 2 * self.refit_every:
             self._refit()
-        ratio = seconds / max(self.roofline(s, c), 1e-12)
-        old = self.shape.get(int(s))
-        self.shape[int(s)] = ratio if old is None else old + self.shape_rate * (ratio - old)
+        self._observe_shape(int(s), seconds / max(self.roofline(s, c), 1e-12))
+
+    def _observe_shape(self, s: int, ratio: float) -> None:
+        """ρ(s) after one measured ratio (module docstring): a running average of log ρ whose steps
+        are clipped to ±log ``shape_step``, then the other counts relaxed toward the probe's shape."""
+        old = self.shape.get(s)
+        if old is None:
+            self.shape[s] = ratio
+            return
+        step = max(-1.0, min(1.0, math.log(ratio / old) / math.log(self.shape_step)))
+        self.shape[s] = rho = old * self.shape_step ** (self.shape_rate * step)
+        base = self._probe_ratios()
+        if not base or s not in base or not self.shape_relax:
+            return
+        level = rho / base[s]
+        for u, r in self.shape.items():
+            if u != s and u in base:
+                self.shape[u] = r * (base[u] * level / r) ** self.shape_relax
+
+    def _probe_ratios(self) -> dict[int, float]:
+        """b(u) = the probe's time for u rows / C(u, c_probe) under the current fit, for every count in
+        ρ's table; {} before a probe. Cached until the next refit (α, β change only there)."""
+        if self._probe_shape is None or self._probe_shape.keys() != self.shape.keys():
+            if not self.anchors:
+                return {}
+            times, c_probe = self._anchor_table()
+            self._probe_shape = {u: _interpolate(times, u) / max(self.roofline(u, c_probe), 1e-12)
+                                 for u in self.shape}
+        return self._probe_shape
 
     def observe_many(self, points: list[tuple[int, int, float]], anchor: bool = False) -> None:
         """Several timings at once (the engine's probe): observed in turn, then every ρ(s) set afresh
@@ -257,12 +299,18 @@ class LatencyModel:
             self.draft_s = draft_s if self.draft_s == 0.0 else self.draft_s + rate * (draft_s - self.draft_s)
 
     def _refit(self, iterations: int = 3) -> None:
-        self._unfit = 0
+        self._unfit, self._probe_shape = 0, None
         n = len(self.samples)
         weights = [self.decay ** (n - 1 - i) for i in range(n)]
         xs_c = [self.t_comp(s, c) for s, c, _ in self.samples]
         xs_m = [self.t_mem(s, c) for s, c, _ in self.samples]
         ts = [t for _, _, t in self.samples]
+        if n >= 8:  # robust weights: see the class docstring
+            logs = [math.log(t / max(self.compute.alpha * a + self.compute.beta,
+                                     self.memory.alpha * b + self.memory.beta, 1e-12))
+                    for t, a, b in zip(ts, xs_c, xs_m)]
+            mid, cut = sorted(logs)[n // 2], math.log(self.shape_step)
+            weights = [w * min(1.0, cut / max(abs(x - mid), 1e-12)) ** 2 for w, x in zip(weights, logs)]
         last = None
         for _ in range(iterations):
             on_comp = [self.compute.alpha * a + self.compute.beta >= self.memory.alpha * b + self.memory.beta

@@ -187,6 +187,46 @@ def test_per_size_ratio_follows_a_kinked_curve():
     assert LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9)).shape_factor(7) == 1.0
 
 
+def _probed_cpu_like_model():
+    """A model probed (anchors) on a CPU-like curve with a kink at 7 rows, and that curve."""
+    lm = LatencyModel(spec(), HardwareSpec("fake", 160e9, 34e9))
+
+    def truth(s, c=300):
+        return 0.016 + 0.0011 * (s - 1) + (0.003 if s >= 7 else 0.0) + 2e-6 * c
+
+    lm.observe_many([(s, 300, truth(s)) for s in list(range(1, 17)) + [32, 64]], anchor=True)
+    return lm, truth
+
+
+def test_a_stall_moves_its_row_count_a_little_and_does_not_lock_it_out():
+    """A verification slowed 10x by another process raises ρ(s) by ≲ 15%, not ~3x; and after a burst
+    of them at one count, rounds at *other* counts bring that count's prediction back to the host's
+    present level, so the budget rule does not avoid it (and never re-measure it) for good."""
+    lm, truth = _probed_cpu_like_model()
+    before = lm.predict(5, 300)
+    lm.observe(5, 300, 10 * truth(5))
+    assert 1.0 < lm.predict(5, 300) / before < 1.2
+    for _ in range(6):  # a burst: six stalls in a row at 5 rows
+        lm.observe(5, 300, 8 * truth(5))
+    assert lm.predict(5, 300) > 1.5 * truth(5)
+    assert lm.predict(4, 300) < 2 * truth(4)  # the fit weighs the burst down: other counts move less
+    rng = random.Random(0)
+    for _ in range(80):  # the stall is over; the trees are now 4 and 6 rows
+        s = rng.choice([4, 6])
+        lm.observe(s, 300, truth(s) * (1 + rng.gauss(0, 0.02)))
+    assert abs(lm.predict(5, 300) / truth(5) - 1) < 0.1
+    for s in (1, 2, 8, 12, 16):  # the other unvisited counts stay at their level too
+        assert abs(lm.predict(s, 300) / truth(s) - 1) < 0.1, s
+
+
+def test_a_lasting_change_at_a_row_count_is_followed():
+    """Clipped steps still follow a real change: 5 rows now cost 1.6x the probe's time, every round."""
+    lm, truth = _probed_cpu_like_model()
+    for _ in range(30):
+        lm.observe(5, 300, 1.6 * truth(5))
+    assert abs(lm.predict(5, 300) / (1.6 * truth(5)) - 1) < 0.1
+
+
 def test_refit_schedule_every_sample_while_short_then_every_kth():
     """α, β are refitted on every sample while the window is short, then every ``refit_every``-th
     sample (and always at the end of observe_many); ρ(s) follows every sample."""
