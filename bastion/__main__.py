@@ -83,11 +83,13 @@ def _checked_config(a) -> GenerationConfig:
 def _engine_and_prompt(a, cfg: GenerationConfig):
     """(Engine, prompt token ids): target, drafter and datastore loaded, the prompt encoded and checked
     against the model's context; any failure a UsageError."""
+    from .drafter_io import precheck_local_drafter
     from .engine import Engine
     from .loading import DTYPES, encode_prompt, load_default_datastore, load_default_drafter, load_target
 
     log = (lambda *x: print(*x, file=sys.stderr))
     try:
+        precheck_local_drafter(a.drafter)
         target = load_target(a.model, DTYPES[a.dtype], a.device, progress=log)
         drafter = load_default_drafter(target, a.drafter, a.model)
         datastore = load_default_datastore(target, a.drafter, a.model) if drafter is not None else None

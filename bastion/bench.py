@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 from transformers.generation import BaseStreamer
 
+from .drafter_io import precheck_local_drafter
 from .engine import Engine, GenerationConfig
 from .kernels.cpu_linear import MODES, SkinnyLinear, use_skinny_linear
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
@@ -411,6 +412,12 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
     out_dir = a.out or Path("bench") / datetime.now().strftime("out-%Y%m%d-%H%M%S")
     if out_dir.exists() and not out_dir.is_dir():
         raise BenchError(f"--out {out_dir} exists and is not a folder")
+    if engine is None:  # a drafter folder that is not there fails now, not after the target has loaded
+        for name, flag in ((a.drafter, ""), (a.drafter_b, " --drafter-b")):
+            try:
+                precheck_local_drafter(name)
+            except FileNotFoundError as exc:
+                raise BenchError(f"cannot load{flag}: {exc}") from None
 
     engine = engine or _load_engine(a, strategies, DTYPES[a.dtype])
     if b_names and engine_b is None:

@@ -39,6 +39,28 @@ def resolve_drafter_folder(name_or_path, local_files_only: bool = False):
     return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
 
 
+def drafter_files(folder: Path) -> tuple[Path, Path]:
+    """(config, weights) of a drafter folder; FileNotFoundError naming the first one missing."""
+    paths = (folder / CONFIG_FILE, folder / WEIGHTS_FILE)
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"drafter folder {folder} has no {p.name}")
+    return paths
+
+
+def precheck_local_drafter(name_or_path: str | None) -> None:
+    """Raise FileNotFoundError now for a named local drafter folder that is missing or lacks a file, so
+    a command fails before loading its target (seconds) rather than after; hub ids pass (they resolve,
+    and are checked, when the drafter loads)."""
+    if name_or_path is None:
+        return
+    path = Path(name_or_path)
+    if path.exists():
+        drafter_files(path)
+    elif "/" not in str(name_or_path) or str(name_or_path).startswith((".", "/")):
+        resolve_drafter_folder(name_or_path)  # raises: not a folder, not a hub id
+
+
 def check_compatible(cfg: DrafterConfig, target_hidden: int, target_vocab: int, target_layers: int) -> None:
     """Raise ValueError naming the first mismatch between a drafter config and its target."""
     if cfg.hidden_size != target_hidden:
@@ -62,11 +84,7 @@ def load_drafter(name_or_path, target_hidden: int, target_vocab: int, target_lay
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = resolve_drafter_folder(name_or_path, local_files_only)
-    cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"drafter folder {folder} has no {p.name}")
+    cfg_path, w_path = drafter_files(resolve_drafter_folder(name_or_path, local_files_only))
     try:
         cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()))
     except json.JSONDecodeError as exc:

@@ -205,13 +205,14 @@ class LatencyModel:
     shape_rate: float = 0.2
     shape_step: float = 2.0  # one sample moves ρ(s) by at most this factor before the running average
     shape_relax: float = 0.05  # λ: pull of each sample on the other counts' ρ toward the probe's shape
+    robust_fit: bool = True  # down-weight stalled samples in the α/β refit (False: plain weighted least squares)
     refit_every: int = 4  # α, β refitted every this many samples (every one while the window is short)
     # The engine's probe timings (observe_many(..., anchor=True)), kept beside the window: once a run
     # of AR steps or of similar trees has pushed them out (sizes left < 4x apart), reanchor() feeds
     # them in again at the host's present speed, so one probe serves an engine's whole life.
     anchors: list[tuple[int, int, float]] = field(default_factory=list)
     _unfit: int = field(default=0, repr=False)  # samples since the last refit
-    _probe_shape: dict[int, float] | None = field(default=None, repr=False)  # b(u), remade at each refit
+    _probe_shape: tuple[int, dict[int, float]] | None = field(default=None, repr=False)  # (table size, b(u))
 
     # ------------------------------------------------------------- prediction
     def t_comp(self, s: int, c: int) -> float:
@@ -239,6 +240,8 @@ class LatencyModel:
 
     # ------------------------------------------------------------- calibration
     def observe(self, s: int, c: int, seconds: float) -> None:
+        if not seconds > 0.0:  # a timer reading of 0 (or NaN) is no measurement: it would poison the fit
+            return
         if not self.calibrated:  # β from the first measurement: both branches predict it exactly
             self.compute.beta = max(0.0, seconds - self.compute.alpha * self.t_comp(s, c))
             self.memory.beta = max(0.0, seconds - self.memory.alpha * self.t_mem(s, c))
@@ -254,29 +257,32 @@ class LatencyModel:
         """ρ(s) after one measured ratio (module docstring): a running average of log ρ whose steps
         are clipped to ±log ``shape_step``, then the other counts relaxed toward the probe's shape."""
         old = self.shape.get(s)
-        if old is None:
+        if old is None or old <= 0.0:
             self.shape[s] = ratio
             return
-        step = max(-1.0, min(1.0, math.log(ratio / old) / math.log(self.shape_step)))
-        self.shape[s] = rho = old * self.shape_step ** (self.shape_rate * step)
+        bound = math.log(self.shape_step)
+        step = max(-bound, min(bound, math.log(ratio / old)))
+        self.shape[s] = rho = old * math.exp(self.shape_rate * step)
         base = self._probe_ratios()
         if not base or s not in base or not self.shape_relax:
             return
         level = rho / base[s]
         for u, r in self.shape.items():
-            if u != s and u in base:
+            if u != s and u in base and r > 0.0:
                 self.shape[u] = r * (base[u] * level / r) ** self.shape_relax
 
     def _probe_ratios(self) -> dict[int, float]:
         """b(u) = the probe's time for u rows / C(u, c_probe) under the current fit, for every count in
-        ρ's table; {} before a probe. Cached until the next refit (α, β change only there)."""
-        if self._probe_shape is None or self._probe_shape.keys() != self.shape.keys():
-            if not self.anchors:
-                return {}
-            times, c_probe = self._anchor_table()
-            self._probe_shape = {u: _interpolate(times, u) / max(self.roofline(u, c_probe), 1e-12)
-                                 for u in self.shape}
-        return self._probe_shape
+        ρ's table; {} before a probe. Cached until the next refit (α, β change only there) or until ρ's
+        table gains a count (counts are only ever added)."""
+        cached = self._probe_shape
+        if cached is None or cached[0] != len(self.shape):
+            base = {}
+            if self.anchors:
+                times, c_probe = self._anchor_table()
+                base = {u: _interpolate(times, u) / max(self.roofline(u, c_probe), 1e-12) for u in self.shape}
+            self._probe_shape = cached = (len(self.shape), {u: b for u, b in base.items() if b > 0.0})
+        return cached[1]
 
     def observe_many(self, points: list[tuple[int, int, float]], anchor: bool = False) -> None:
         """Several timings at once (the engine's probe): observed in turn, then every ρ(s) set afresh
@@ -305,8 +311,8 @@ class LatencyModel:
         xs_c = [self.t_comp(s, c) for s, c, _ in self.samples]
         xs_m = [self.t_mem(s, c) for s, c, _ in self.samples]
         ts = [t for _, _, t in self.samples]
-        if n >= 8:  # robust weights: see the class docstring
-            logs = [math.log(t / max(self.compute.alpha * a + self.compute.beta,
+        if self.robust_fit and n >= 8:  # robust weights: see the class docstring
+            logs = [math.log(max(t, 1e-12) / max(self.compute.alpha * a + self.compute.beta,
                                      self.memory.alpha * b + self.memory.beta, 1e-12))
                     for t, a, b in zip(ts, xs_c, xs_m)]
             mid, cut = sorted(logs)[n // 2], math.log(self.shape_step)

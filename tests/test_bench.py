@@ -143,6 +143,8 @@ def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     (["--strategies", "ar@b"], "only drafting strategies run on --drafter-b"),
     (["--strategies", "hf_generate@b"], "only drafting strategies run on --drafter-b"),
     (["--strategies", "ar,bastion", "--drafter-b", "{good}"], "strategies named NAME@b"),
+    (["--strategies", "ar,bastion", "--drafter", "{missing}"], "does not exist"),
+    (["--strategies", "ar,bastion,bastion@b", "--drafter-b", "{good}"], "has no config.json"),
 ])
 def test_bad_input_exits_2_before_loading(argv, message, tmp_path, capsys, monkeypatch):
     files = {"missing": tmp_path / "nope.json", "broken": tmp_path / "broken.json", "list": tmp_path / "list.json",

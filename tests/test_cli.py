@@ -33,6 +33,14 @@ def test_bad_input_is_one_line_and_exit_2(args, msg, tmp_path):
     assert "Traceback" not in r.stderr and not trace.exists()
 
 
+@pytest.mark.parametrize("folder,msg", [("/no/such/drafter", "does not exist"), (str(ROOT / "tests"), "has no config.json")])
+def test_a_missing_drafter_folder_fails_before_the_target_loads(folder, msg):
+    r = cli("generate", "--prompt", "hi", "--drafter", folder)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: cannot load: drafter folder") and msg in r.stderr
+    assert "Loading weights" not in r.stderr and "converting" not in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_a_gpu_request_without_a_gpu_is_one_line_before_any_loading(tmp_path):
     """--device cuda on a CPU-only machine, and the compiled Triton kernels on CPU tensors (no interpreter):

@@ -219,6 +219,16 @@ def test_a_stall_moves_its_row_count_a_little_and_does_not_lock_it_out():
         assert abs(lm.predict(s, 300) / truth(s) - 1) < 0.1, s
 
 
+def test_a_zero_timing_leaves_the_model_alone():
+    """A timer that returned 0 (or NaN) is no measurement: it must not zero ρ (nor, through the
+    relaxation, every other count's) or poison the fit."""
+    lm, _ = _probed_cpu_like_model()
+    before = [lm.predict(s, 300) for s in range(1, 12)]
+    lm.observe(5, 300, 0.0)
+    lm.observe(6, 300, float("nan"))
+    assert [lm.predict(s, 300) for s in range(1, 12)] == before and len(lm.samples) == 18
+
+
 def test_a_lasting_change_at_a_row_count_is_followed():
     """Clipped steps still follow a real change: 5 rows now cost 1.6x the probe's time, every round."""
     lm, truth = _probed_cpu_like_model()
