@@ -18,8 +18,8 @@ routine changes with the row count (the embedded target, 2 cores: 4 rows 47 ms, 
 (interpolated between the counts seen, 1 until any is seen), and the prediction is ρ(s)·C(s, c).
 On a GPU, where the curve is smooth, ρ stays near 1. Two things keep ρ honest on a shared machine,
 where a verification now and then stalls several-fold (another process, a browser drawing the app's
-page on the same cores): each sample moves log ρ(s) by at most a factor 2 before the running
-average (a 10× stall raises ρ by ~15%, not ~3×), and every sample pulls the row counts *not* being
+page on the same cores): each sample's ratio to the current ρ(s) is clipped to [1/2, 2] before the
+running average of log ρ (a 10× stall raises ρ by ~15%, not ~3×), and every sample pulls the row counts *not* being
 measured a little toward the probe's shape at the host's present level,
 
     ρ(u) ← ρ(u)·(b(u)·ρ(s)/b(s) / ρ(u))^λ,   b(u) = probe time of u rows / C(u, c_probe),
@@ -291,6 +291,7 @@ class LatencyModel:
         :meth:`reanchor` once the window has moved past them."""
         if anchor:
             self.anchors = [(int(s), int(c), float(t)) for s, c, t in points]
+            self._probe_shape = None  # b(u) comes from the anchors
         for s, c, seconds in points:
             self.observe(s, c, seconds)
         self._refit()
