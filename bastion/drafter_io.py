@@ -27,12 +27,18 @@ def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = Non
         (tmp / WEIGHTS_FILE).chmod(0o644)
 
 
+def _hub_like(name_or_path) -> bool:
+    """Whether a name that is no local folder could be a hub repo id (owner/name, not a path)."""
+    name = str(name_or_path)
+    return "/" in name and not name.startswith((".", "/"))
+
+
 def resolve_drafter_folder(name_or_path, local_files_only: bool = False):
     """A local folder as is; otherwise a hub repo id fetched with huggingface_hub (network needed)."""
     path = Path(name_or_path)
     if path.exists():
         return path
-    if local_files_only or "/" not in str(name_or_path) or str(name_or_path).startswith((".", "/")):
+    if local_files_only or not _hub_like(name_or_path):
         raise FileNotFoundError(f"drafter folder {name_or_path} does not exist")
     from huggingface_hub import snapshot_download
 
@@ -52,13 +58,8 @@ def precheck_local_drafter(name_or_path: str | None) -> None:
     """Raise FileNotFoundError now for a named local drafter folder that is missing or lacks a file, so
     a command fails before loading its target (seconds) rather than after; hub ids pass (they resolve,
     and are checked, when the drafter loads)."""
-    if name_or_path is None:
-        return
-    path = Path(name_or_path)
-    if path.exists():
-        drafter_files(path)
-    elif "/" not in str(name_or_path) or str(name_or_path).startswith((".", "/")):
-        resolve_drafter_folder(name_or_path)  # raises: not a folder, not a hub id
+    if name_or_path is not None and (Path(name_or_path).exists() or not _hub_like(name_or_path)):
+        drafter_files(resolve_drafter_folder(name_or_path, local_files_only=True))
 
 
 def check_compatible(cfg: DrafterConfig, target_hidden: int, target_vocab: int, target_layers: int) -> None:
