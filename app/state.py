@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from bastion.records import Step
-from bastion.latency import HardwareSpec, ModelSpec
+from bastion.hardware import HardwareSpec, ModelSpec
 
 FORMAT, VERSION = "bastion-run", 1
 STAGES = ("draft", "build", "verify", "commit")

@@ -1,6 +1,6 @@
 """The drafter's inference layers on a CPU, without torch modules around the native kernels.
 
-What ``Target._lean_forward`` is for the target: :meth:`DFlashDrafter.draft` calls
+What ``target_lean.lean_forward`` is for the target: :meth:`DFlashDrafter.draft` calls
 :func:`lean_layers` for a CPU float32 drafter whose products are native (mode ``native-bf16``, its
 default) when the kernel library is built. Per layer the same computation as
 :meth:`DrafterLayer.step` — RMSNorm, the q/k/v products over [fresh ; block] rows, per-head q/k
@@ -9,7 +9,7 @@ residual, RMSNorm, the SwiGLU MLP and the residual — with three differences in
 
 * the products are :class:`cpu_native.Product` calls made once per drafter (~20 µs of module and
   check overhead saved per call, 14 calls a draft of the embedded drafter);
-* the rotary embedding is :func:`cpu_native.rope` (the bits of the module path's torch ops) and the
+* the rotary embedding is :func:`cpu_rows.rope` (the bits of the module path's torch ops) and the
   attention :func:`cpu_native.attention_unchecked` (float rounding away from torch's SDPA);
 * the context keys/values are written into buffers with spare rows (:class:`DrafterCache` ``kbuf`` /
   ``vbuf``) instead of concatenated: the module path copies each layer's whole context every draft.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import cpu_native
+from .kernels import cpu_native, cpu_rows
 from .kernels.cpu_decoder import NativeDecoder
 from .kernels.cpu_linear import SkinnyLinear, mode_changes
 
@@ -122,19 +122,19 @@ def lean_layers(drafter, plan: list[tuple], cache, x: torch.Tensor, fresh: torch
                   threads, fresh=None if fresh is None else fresh.contiguous())
         cache.keys = [kb[:, :, :c + m] for kb, _ in bufs]
         cache.values = [vb[:, :, :c + m] for _, vb in bufs]
-        return cpu_native.rms_norm(x, drafter.norm.weight, drafter.norm.variance_epsilon)
+        return cpu_rows.rms_norm(x, drafter.norm.weight, drafter.norm.variance_epsilon)
     keys, values = [], []
     for i, (layer, (qp, kp, vp, op, gp, up, dp)) in enumerate(zip(drafter.layers, plan)):
         attn = layer.self_attn
         d = attn.head_dim
         ln1 = layer.input_layernorm
-        h = cpu_native.rms_norm(x, ln1.weight, ln1.variance_epsilon)
+        h = cpu_rows.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         kin = h if fresh is None else torch.cat([fresh, h])
-        qh = cpu_native.rms_norm(qp(h, threads).view(q_rows, -1, d), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-        qh = cpu_native.rope(qh, cos[m:], sin[m:])
-        k = cpu_native.rms_norm(kp(kin, threads).view(m + q_rows, -1, d), attn.k_norm.weight,
+        qh = cpu_rows.rms_norm(qp(h, threads).view(q_rows, -1, d), attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        qh = cpu_rows.rope(qh, cos[m:], sin[m:])
+        k = cpu_rows.rms_norm(kp(kin, threads).view(m + q_rows, -1, d), attn.k_norm.weight,
                                 attn.k_norm.variance_epsilon)
-        k = cpu_native.rope(k, cos, sin)
+        k = cpu_rows.rope(k, cos, sin)
         v = vp(kin, threads).view(m + q_rows, -1, d)
         kb, vb = _room(cache, i, k.shape[1], d, c + m + q_rows)
         kb[0, :, c:c + m + q_rows] = k.transpose(0, 1)
@@ -143,9 +143,9 @@ def lean_layers(drafter, plan: list[tuple], cache, x: torch.Tensor, fresh: torch
                                            vb[:, :, :c + m + q_rows], None, d ** -0.5)
         x = x + op(a.view(q_rows, -1), threads)
         ln2 = layer.post_attention_layernorm
-        h = cpu_native.rms_norm(x, ln2.weight, ln2.variance_epsilon)
-        x = x + dp(cpu_native.silu(gp(h, threads)) * up(h, threads), threads)
+        h = cpu_rows.rms_norm(x, ln2.weight, ln2.variance_epsilon)
+        x = x + dp(cpu_rows.silu(gp(h, threads)) * up(h, threads), threads)
         keys.append(kb[:, :, :c + m])
         values.append(vb[:, :, :c + m])
     cache.keys, cache.values = keys, values
-    return cpu_native.rms_norm(x, drafter.norm.weight, drafter.norm.variance_epsilon)
+    return cpu_rows.rms_norm(x, drafter.norm.weight, drafter.norm.variance_epsilon)

@@ -1,6 +1,6 @@
 """Drafters made for training: a new one initialised from the target's last layers, a copy grown by
-layers or widened by feature layers, the element-wise mean of warm-started runs, and the draft
-vocabulary a drafter may propose (``build_draft_vocab``)."""
+layers or widened by feature layers, the element-wise mean of warm-started runs, the draft
+vocabulary a drafter may propose (``build_draft_vocab``) and its widening by a request's own tokens."""
 
 from __future__ import annotations
 
@@ -148,3 +148,26 @@ def build_draft_vocab(records: list[dict], size: int, vocab_size: int, always: s
         if 0 <= i < vocab_size:
             score[i] = float("inf")
     return torch.sort(torch.topk(score, size).indices).values
+
+
+def request_vocab(base: torch.Tensor | None, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
+    """A drafter's draft vocabulary ``base`` widened by the prompt's tokens, and its members as a set
+    (None and an empty set: the drafter drafts over the full vocabulary).
+
+    A small static vocabulary misses the rare words a reply copies from its prompt (names, topic
+    words), and each miss ends a round's accepted path; adding the request's own tokens costs a
+    few rows of the LM head.
+    """
+    if base is None:
+        return None, set()
+    members = set(base.tolist())
+    return widen_vocab(base, members, prompt_ids), members
+
+
+def widen_vocab(vocab: torch.Tensor, members: set[int], ids: list[int]) -> torch.Tensor:
+    """vocab with the ids it lacks appended; ``members`` (vocab as a set) is updated in place."""
+    extra = list(dict.fromkeys(i for i in ids if i not in members))
+    if not extra:
+        return vocab
+    members.update(extra)
+    return torch.cat([vocab, torch.tensor(extra, dtype=vocab.dtype, device=vocab.device)])

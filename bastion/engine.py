@@ -7,28 +7,28 @@ baselines differ only in how the tree is built, every other line (and its cost) 
 
 from __future__ import annotations
 
-import atexit
-import gc
-import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from .calibration import AcceptanceCalibrator
 from .config import GenerationConfig, stop_token_ids
-from .drafter import DFlashDrafter, DrafterCache
+from .drafter import DFlashDrafter
+from .drafter_ops import request_vocab, widen_vocab
 from .datastore import NgramPrior
 from .draft_policy import DraftDepth, DraftGate
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
 from .kernels.reference import GumbelRows
-from .latency import LatencyModel, ModelSpec, RowPadding, hardware_for
+from .hardware import ModelSpec, hardware_for
+from .latency import LatencyModel, RowPadding
+from .loading import freeze_heap
 from .lookup import CopySources, LookupStats
 from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency
 from .records import GenerationResult, StageTimes, Step
+from .round_state import Draft, Plan, Request
 from .target import Target
 from .threads import ThreadGovernor
 from .tree import DraftTree
@@ -37,78 +37,6 @@ from .verify import Acceptance, accept
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
 
 
-def freeze_heap() -> None:
-    """Move every object alive now (the loaded models, tokenizer, libraries) out of the cyclic
-    garbage collector's reach.
-
-    Loading the embedded target leaves ~380,000 tracked objects; a full collection scans all of them
-    (160 ms on the 2-core development machine, measured) and fires every few dozen rounds, in the
-    middle of one, more often for a strategy that allocates more Python objects a round (trees,
-    traces). Frozen, they are skipped; what decoding allocates is still collected. Garbage made by
-    loading is collected first. A frozen object that is dropped later is still freed by reference
-    counting; only reference cycles among frozen objects wait until exit, when they are released
-    (atexit), so nothing is reported as leaked.
-    """
-    global _UNFREEZE_AT_EXIT
-    gc.collect()
-    gc.freeze()
-    if not _UNFREEZE_AT_EXIT:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT = True
-
-
-_UNFREEZE_AT_EXIT = False
-
-
-@dataclass
-class _Request:
-    """What one request carries from round to round: the root (the last committed token, not yet in
-    the target's cache) and the token before it, counts, and the per-request state of each stage."""
-
-    cfg: GenerationConfig
-    root: int
-    before_root: int | None
-    committed: int                  # tokens committed so far, prompt included (the root among them)
-    dcache: DrafterCache | None     # the drafter's context cache (None: AR, or no drafter)
-    vocab: torch.Tensor | None      # the draft vocabulary, widened by this request's tokens
-    in_vocab: set[int]
-    calib: AcceptanceCalibrator
-    copies: CopySources | None
-    gate: DraftGate | None
-    depth: DraftDepth
-    noise: GumbelRows | None
-    governor: ThreadGovernor | None
-    prefill_s: float
-    generated: int = 0
-    index: int = 0
-
-
-@dataclass
-class _Draft:
-    """One round's draft on the host: ``topk`` = (log confidences, ids), each D lists of k (the
-    confidences calibrated when the request calibrates), ``raw`` the drafter's own log q when the
-    confidences differ from it."""
-
-    topk: tuple[list[list[float]], list[list[int]]]
-    raw: list[list[float]] | None
-
-
-@dataclass
-class _Plan:
-    """The tree a round verifies (with the copy sources merged) and its target inputs: ``rows``
-    tokens (the tree padded with dummy rows), the additive mask (1, 1, rows, prefix + rows) and the
-    position ids (1, rows)."""
-
-    exp: Expansion
-    proposals: list
-    rows: int
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    pos: torch.Tensor
-
-    @property
-    def tree(self) -> DraftTree:
-        return self.exp.tree
 
 
 class Engine:
@@ -212,28 +140,6 @@ class Engine:
         (two runs of 6 prompts, τ 1.67 → 1.65 and 1.71 → 1.67; bench/NOTES.md)."""
         return cfg.strategy == "bastion" and cfg.condition and self.prior is not None and cfg.temperature == 0
 
-    def _request_vocab(self, prompt_ids: list[int]) -> tuple[torch.Tensor | None, set[int]]:
-        """The drafter's draft vocabulary widened by the prompt's tokens (None: full vocabulary).
-
-        A small static vocabulary misses the rare words a reply copies from its prompt (names, topic
-        words), and each miss ends a round's accepted path; adding the request's own tokens costs a
-        few rows of the LM head.
-        """
-        base = getattr(self.drafter, "draft_vocab", None)
-        if base is None:
-            return None, set()
-        members = set(base.tolist())
-        return self._widen_vocab(base, members, prompt_ids), members
-
-    @staticmethod
-    def _widen_vocab(vocab: torch.Tensor, members: set[int], ids: list[int]) -> torch.Tensor:
-        """vocab with the ids it lacks appended; ``members`` (vocab as a set) is updated in place."""
-        extra = list(dict.fromkeys(i for i in ids if i not in members))
-        if not extra:
-            return vocab
-        members.update(extra)
-        return torch.cat([vocab, torch.tensor(extra, dtype=vocab.dtype, device=vocab.device)])
-
     def _draft_depth(self, cfg: GenerationConfig) -> DraftDepth:
         """The draft depth policy of a request (see :class:`DraftDepth`); fixed when not adaptive."""
         full = self.drafter.block_size - 1 if self.drafter is not None else 1
@@ -330,7 +236,7 @@ class Engine:
             req.root = acc.bonus
             req.index += 1
 
-    def _begin(self, prompt_ids: list[int], cfg: GenerationConfig, governor: ThreadGovernor | None) -> _Request:
+    def _begin(self, prompt_ids: list[int], cfg: GenerationConfig, governor: ThreadGovernor | None) -> Request:
         """Prefill the prompt (all but its last token, the first round's root) and set up the
         request's state: the drafter's context cache, draft vocabulary, calibrator, copy sources,
         draft gate and depth, and the sampled draws' noise rows."""
@@ -341,17 +247,17 @@ class Engine:
         dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" else None
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
-        vocab, in_vocab = self._request_vocab(prompt_ids)
+        vocab, in_vocab = request_vocab(getattr(self.drafter, "draft_vocab", None), prompt_ids)
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         # sampled draws: each position's noise row hashed once per request, not once per round
         noise = GumbelRows(params.seed, target.device) if params.temperature > 0 and self.kernels.reuses_noise else None
-        return _Request(cfg, root=prompt_ids[-1], before_root=prompt_ids[-2] if len(prompt_ids) > 1 else None,
+        return Request(cfg, root=prompt_ids[-1], before_root=prompt_ids[-2] if len(prompt_ids) > 1 else None,
                         committed=len(prompt_ids), dcache=dcache, vocab=vocab, in_vocab=in_vocab,
                         calib=self.calibrator(cfg), copies=self.copy_sources(cfg, prompt_ids), gate=gate,
                         depth=self._draft_depth(cfg), noise=noise, governor=governor,
                         prefill_s=time.perf_counter() - t_prefill)
 
-    def _draft(self, req: _Request, times: StageTimes) -> _Draft:
+    def _draft(self, req: Request, times: StageTimes) -> Draft:
         """One drafter forward over [root, MASK × D]: the top-k of each depth's marginal log q (D, k),
         calibrated to log g(q) for ranking, on the host as lists."""
         cfg, limit = req.cfg, self.target.max_positions
@@ -365,9 +271,9 @@ class Engine:
             raw = raw.float().cpu()
             used = req.calib.log_g_rows(raw) if cfg.calibrate else None  # None: g = q so far
             raw = raw.tolist()
-            return _Draft((raw if used is None else used, ids.cpu().tolist()), None if used is None else raw)
+            return Draft((raw if used is None else used, ids.cpu().tolist()), None if used is None else raw)
 
-    def _plan(self, req: _Request, draft: _Draft | None, prefix: int, times: StageTimes) -> _Plan:
+    def _plan(self, req: Request, draft: Draft | None, prefix: int, times: StageTimes) -> Plan:
         """The tree this round verifies and its inputs: best-first growth from the draft, the draft
         gate's judgement of it, the copy sources' branches merged where they pay, then the mask,
         position ids and tokens of its rows (padded to the cheapest row count)."""
@@ -398,9 +304,9 @@ class Engine:
             n, rows = len(tree), self.rows(cfg, len(tree))
             mask, pos = self.kernels.tree_mask(tree.parents + [0] * (rows - n), prefix, self.target.dtype, device)
             tokens = torch.tensor(tree.tokens + [req.root] * (rows - n), dtype=torch.long, device=device)
-        return _Plan(exp, proposals, rows, tokens, mask, pos)
+        return Plan(exp, proposals, rows, tokens, mask, pos)
 
-    def _accept(self, req: _Request, draft: _Draft | None, plan: _Plan, out, prefix: int,
+    def _accept(self, req: Request, draft: Draft | None, plan: Plan, out, prefix: int,
                 times: StageTimes) -> Acceptance:
         """Walk the verified tree (greedy or sample-and-walk), keep the accepted rows of the target's
         cache, queue their features for the drafter, and let the depth policy, the calibrator and
@@ -419,7 +325,7 @@ class Engine:
                 req.copies.observe(tree.parents, plan.proposals, acc.accepted)
         return acc
 
-    def _emit(self, req: _Request, tree: DraftTree, acc: Acceptance) -> tuple[list[int], str]:
+    def _emit(self, req: Request, tree: DraftTree, acc: Acceptance) -> tuple[list[int], str]:
         """The round's new tokens (accepted drafts + bonus), cut at a stop token or max_new_tokens,
         and why the request ends ("" while it goes on); widens the draft vocabulary by words it
         lacked and feeds the copy sources."""
@@ -434,14 +340,14 @@ class Engine:
             new, finish = new[:cfg.max_new_tokens - req.generated], finish or "max_new_tokens"
         req.generated += len(new)
         if req.vocab is not None and not req.in_vocab.issuperset(new):  # a word the draft vocabulary lacked
-            req.vocab = self._widen_vocab(req.vocab, req.in_vocab, new)
+            req.vocab = widen_vocab(req.vocab, req.in_vocab, new)
         if req.copies is not None:
             req.copies.extend(new)
         if not finish and req.committed + len(new) + 1 >= self.target.max_positions:
             finish = "context limit"
         return new, finish
 
-    def _learn(self, req: _Request, rows: int, prefix: int, times: StageTimes, drafting: bool) -> tuple[float, int]:
+    def _learn(self, req: Request, rows: int, prefix: int, times: StageTimes, drafting: bool) -> tuple[float, int]:
         """Feed this round's measured verification and overheads to the latency model, and its
         verification to the thread governor; returns (the prediction made before the measurement,
         the round's thread count)."""
@@ -455,7 +361,7 @@ class Engine:
         self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
         return predicted, threads
 
-    def _record(self, req: _Request, draft: _Draft | None, plan: _Plan, acc: Acceptance, new: list[int],
+    def _record(self, req: Request, draft: Draft | None, plan: Plan, acc: Acceptance, new: list[int],
                 finish: str, predicted: float, threads: int, times: StageTimes, elapsed: float) -> Step:
         """The round as a :class:`Step` (what the app draws and the benchmark counts)."""
         exp, tree, topk = plan.exp, plan.tree, draft.topk if draft is not None else None
@@ -482,17 +388,7 @@ class Engine:
         return self.summarize(list(self.generate(prompt_ids, cfg)), len(prompt_ids))
 
     def summarize(self, steps: list[Step], prompt_tokens: int) -> GenerationResult:
-        """τ counts the bonus token; tokens/s is over decode time (prefill excluded)."""
-        decode_s = steps[-1].elapsed_s
-        ids = [t for s in steps for t in s.tokens]
-        stage = {k: sum(getattr(s.times, k) for s in steps) for k in ("draft", "build", "verify", "commit")}
-        errs = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
-                for s in steps[10:] if s.measured_verify_s > 0]
+        """The run's summary (:meth:`GenerationResult.from_steps`), its text decoded by the target's tokenizer."""
         tok = self.target.tokenizer
-        text = tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
-        return GenerationResult(
-            text=text, token_ids=ids, strategy=steps[0].strategy, steps=len(steps), tau=len(ids) / len(steps),
-            tokens_per_s=len(ids) / decode_s if decode_s > 0 else 0.0, decode_s=decode_s,
-            prefill_s=steps[0].prefill_s, finish_reason=steps[-1].finish_reason, stage_s=stage,
-            mean_tree_size=statistics.fmean(len(s.tree) for s in steps),
-            latency_error=statistics.median(errs) if errs else None, prompt_tokens=prompt_tokens)
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        return GenerationResult.from_steps(steps, prompt_tokens, decode)

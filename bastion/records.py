@@ -6,7 +6,9 @@ streamed, exported and replayed without a model.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from .expansion import Decision
 from .tree import DraftTree
@@ -117,6 +119,25 @@ class GenerationResult:
     mean_tree_size: float = 0.0
     latency_error: float | None = None  # median |pred − meas| / meas after the first 10 rounds
     prompt_tokens: int = 0
+
+    @classmethod
+    def from_steps(cls, steps: list[Step], prompt_tokens: int,
+                   decode: Callable[[list[int]], str] | None = None) -> "GenerationResult":
+        """The summary of a run's rounds: τ = tokens / rounds (the bonus token counted), tokens/s over
+        decode time (prefill excluded), the latency error as the median |pred − meas| / meas after
+        the first 10 rounds; ``decode`` turns ids into text (None: the ids, space-separated)."""
+        decode_s = steps[-1].elapsed_s
+        ids = [t for s in steps for t in s.tokens]
+        stage = {k: sum(getattr(s.times, k) for s in steps) for k in ("draft", "build", "verify", "commit")}
+        errs = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
+                for s in steps[10:] if s.measured_verify_s > 0]
+        return cls(
+            text=decode(ids) if decode is not None else " ".join(map(str, ids)), token_ids=ids,
+            strategy=steps[0].strategy, steps=len(steps), tau=len(ids) / len(steps),
+            tokens_per_s=len(ids) / decode_s if decode_s > 0 else 0.0, decode_s=decode_s,
+            prefill_s=steps[0].prefill_s, finish_reason=steps[-1].finish_reason, stage_s=stage,
+            mean_tree_size=statistics.fmean(len(s.tree) for s in steps),
+            latency_error=statistics.median(errs) if errs else None, prompt_tokens=prompt_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,24 +16,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from .kernels import cpu_native
-from .kernels.cpu_attention import MAX_QUERIES, NATIVE_NAME, use_grouped_attention
+from . import target_lean
+from .kernels import cpu_native, cpu_rows
+from .kernels.cpu_attention import MAX_QUERIES, use_grouped_attention
 from .kernels.cpu_decoder import NativeDecoder
-from .kernels.cpu_linear import SkinnyLinear, mode_changes, pack_for, prepack, skinny_linear, use_skinny_linear
+from .kernels.cpu_linear import pack_for, prepack, skinny_linear, use_skinny_linear
 from .kernels.cpu_modules import use_native_modules
 from .kvcache import GrowingLayer, growing_cache
 
 HEAD_SLICES = 4  # lm_head(rows=...) slices kept: a drafter's vocabulary, a request's extra rows, and spares
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama/Qwen3 RMSNorm module's output: its native forward when set (:func:`use_native_modules`),
-    else ``F.rms_norm`` (one op instead of the module's six; bit-identical in float32, which the
-    lean-forward tests check against the module on both families)."""
-    own = norm.__dict__.get("forward")
-    if own is not None:
-        return own(x)
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 @dataclass
@@ -77,10 +68,10 @@ class Target:
         # lm_head(rows=...)'s slices, newest last: key -> (rows, weight rows, bias rows, panels); a few
         # are kept, so a drafter's fixed vocabulary and a request's extra rows are packed once each
         self._head_slices: dict[tuple, tuple] = {}
-        # forward_tree's own decoder loop (see _lean_forward): None until first checked, then whether
+        # forward_tree's own decoder loop (target_lean.lean_forward): None until first checked, then whether
         # this model qualifies; set False to always go through transformers' forward
         self.lean: bool | None = None
-        self._plan: tuple | None = None  # the lean loop's products and what they were made from (_lean_plan)
+        self._plan: tuple | None = None  # the lean loop's products and what they were made from (target_lean.lean_plan)
         # the lean loop's layers as one native call where that computes the same (kernels/cpu_decoder.py);
         # set False to keep the loop in Python
         self.fused = True
@@ -244,143 +235,13 @@ class Target:
         Returns logits [n, V] and features [n, k·h]; the cache grows by n rows until commit().
         """
         if self.lean is None:
-            self.lean = self._lean_qualifies()
+            self.lean = target_lean.lean_qualifies(self)
         if self.lean and self.cache is not None and 1 <= tokens.numel() <= MAX_QUERIES \
                 and mask.dtype == torch.float32 and mask.shape[-1] == self.cache_len + tokens.numel():
-            return self._lean_forward(tokens, mask, position_ids)
+            return TargetOutput(target_lean.lean_forward(self, tokens, mask, position_ids), self._collect_features())
         out = self.model(input_ids=tokens[None].to(self.device), attention_mask=mask,
                          position_ids=position_ids, past_key_values=self.cache, use_cache=True)
         return TargetOutput(out.logits[0], self._collect_features())
-
-    LEAN_LAYERS = ("LlamaDecoderLayer", "Qwen3DecoderLayer")
-
-    def _lean_qualifies(self) -> bool:
-        """Whether :meth:`_lean_forward` computes exactly what transformers' forward does here: a CPU
-        float32 Llama or Qwen3 decoder (every layer full attention, SiLU MLP) whose attention already
-        runs in the native kernel (the cache's layers are updated as transformers' attention does)."""
-        dec = self.model.get_decoder()
-        layers = getattr(dec, "layers", None)
-        if (self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_native.available()
-                or getattr(self.config, "_attn_implementation", None) != NATIVE_NAME
-                or getattr(self.config, "hidden_act", None) != "silu" or layers is None
-                or not all(hasattr(dec, a) for a in ("embed_tokens", "norm", "rotary_emb"))
-                or any(t != "full_attention" for t in (getattr(self.config, "layer_types", None) or []))):
-            return False
-        return all(type(layer).__name__ in self.LEAN_LAYERS
-                   and getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
-
-    def _lean_plan(self, layers) -> list[tuple] | None:
-        """Per decoder layer its seven products (q, k, v, o, gate, up, down) as pre-checked native calls
-        (:class:`cpu_native.Product`), or None when any of them is not a float32 native
-        :class:`SkinnyLinear` (the loop then calls the modules).
-
-        Made once and remade after :func:`use_skinny_linear` changed any mode, or when a product's
-        module left the native mode or its weight object or version changed — checked every forward
-        (~60 µs for the embedded target's 210), because the plan holds its own panels and never calls
-        the modules that would repack them. The modules themselves are those of the first call: a model
-        whose linear modules are replaced after that keeps the old products."""
-        got = self._plan
-        if got is not None and got[0] is layers and got[1] == mode_changes():
-            _, _, mods, weights, versions, plan = got
-            if plan is None:  # the modules run, and repack themselves when their weights change
-                return None
-            if (all(m.__class__ is SkinnyLinear and m.native and not m.low_precision and m._parameters["weight"] is w
-                    for m, w in zip(mods, weights)) and [w._version for w in weights] == versions):
-                return plan
-        mods = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                layer.self_attn.v_proj, layer.self_attn.o_proj,
-                                                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-        weights = [m._parameters["weight"] for m in mods]
-        plan = None
-        if all(type(m) is SkinnyLinear and m.native and not m.low_precision for m in mods):
-            prods = [cpu_native.Product(m.panels(), m.weight.shape[0], m.bias) for m in mods]
-            if all(p.panels.dtype in (torch.float32, torch.uint8, torch.int8) for p in prods):  # not bf16
-                plan = [tuple(prods[j:j + 7]) for j in range(0, len(prods), 7)]
-        self._plan = (layers, mode_changes(), mods, weights, [w._version for w in weights], plan)
-        return plan
-
-    def _fused_decoder(self, layers, plan: list[tuple] | None) -> NativeDecoder | None:
-        """The layers as one native call (:class:`NativeDecoder`, made once per plan and checked every
-        forward, ~30 µs) when ``fused`` is on, it computes what the loop would
-        (:meth:`NativeDecoder.qualifies`) and the cache's layers append in place; else None."""
-        if not self.fused or plan is None:
-            return None
-        if any(type(c) is not GrowingLayer or not c.is_initialized or not (c.in_buffers() or c.keys.dim() == 4)
-               for c in self.cache.layers):
-            return None
-        if self._fused is not None and self._fused.current(layers, plan):
-            return self._fused
-        self._fused = None
-        if NativeDecoder.qualifies(layers, plan):
-            attn, cfg = layers[0].self_attn, self.config
-            self._fused = NativeDecoder(layers, plan, cfg.hidden_size, cfg.num_attention_heads,
-                                        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                                        attn.head_dim)
-        return self._fused
-
-    def _lean_forward(self, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> TargetOutput:
-        """forward_tree through the decoder's own modules without transformers' forward around them.
-
-        The same operations in the same order on the same weights — embedding; per layer RMSNorm, the
-        q/k/v projections (Qwen3: per-head q/k RMSNorm), rotary embedding, the cache update, the native
-        attention, o_proj and the residual, RMSNorm, the SwiGLU MLP and the residual; the final norm and
-        the LM head — so logits and captured features are bit-identical to the full forward (tests).
-        What it drops is the machinery around them: module hooks and call dispatch, attention-interface
-        and mask bookkeeping, ~3 ms of a 43–45 ms one-row step of the embedded target on a 2-core CPU;
-        then (session 22) the products' own wrappers (:meth:`_lean_plan`, ~5 ms more) and the rotary
-        embedding's fourteen torch ops a layer (:func:`cpu_native.rope`, the same bits); the norms and
-        the activation are the modules' own, native in this loop and in transformers' forward alike
-        (``kernels/cpu_modules.py``). Feature layers are captured directly (hooks do not fire here).
-        Since session 32 the layers run as one native call where that computes the same
-        (:meth:`_fused_decoder`, ``kernels/cpu_layer.c``: ~5 ms of a ~17 ms one-row step on the Zen 3);
-        the loop below stays for the rest and as its reference (``fused = False``)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        dec = self.model.get_decoder()
-        n = tokens.numel()
-        x = dec.embed_tokens(tokens[None].to(self.device))
-        cos, sin = dec.rotary_emb(x, position_ids)
-        rows_cs = (cos[0].contiguous(), sin[0].contiguous()) if cos.dtype == torch.float32 and cos.shape[0] == 1 \
-            else None
-        wanted = set(self._feature_layers)
-        plan = self._lean_plan(dec.layers)
-        threads = torch.get_num_threads()
-        fused = self._fused_decoder(dec.layers, plan) if rows_cs is not None else None
-        if fused is not None:
-            capture = dict.fromkeys(wanted)
-            x = fused.forward_cache(x.contiguous(), self.cache.layers, *rows_cs, mask,
-                                    float(dec.layers[0].self_attn.scaling), capture, threads)
-            self._captured.update(capture)
-            logits = self.model.get_output_embeddings()(_rms_norm(dec.norm, x))
-            return TargetOutput(logits[0], self._collect_features())
-        for i, layer in enumerate(dec.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            d = attn.head_dim
-            if plan is None:
-                qp, kp, vp, op, gp, up, dp = (lambda t, _, m=m: m(t) for m in (
-                    attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-            else:
-                qp, kp, vp, op, gp, up, dp = plan[i]
-            h = _rms_norm(layer.input_layernorm, x).view(n, -1)
-            q = qp(h, threads).view(n, -1, d)
-            k = kp(h, threads).view(n, -1, d)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
-                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            if rows_cs is not None:  # transformers' rotary embedding, bit for bit, in one native call each
-                q = cpu_native.rope(q, *rows_cs)[None].transpose(1, 2)
-                k = cpu_native.rope(k, *rows_cs)[None].transpose(1, 2)
-            else:
-                q, k = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
-            v = vp(h, threads).view(1, n, -1, d).transpose(1, 2)
-            k, v = self.cache.layers[i].update(k, v)
-            a = cpu_native.attention_unchecked(q, k, v, mask, float(attn.scaling))
-            x = x + op(a.view(n, -1), threads).view(1, n, -1)
-            h = _rms_norm(layer.post_attention_layernorm, x).view(n, -1)
-            x = x + dp(mlp.act_fn(gp(h, threads)) * up(h, threads), threads).view(1, n, -1)
-            if i in wanted:
-                self._captured[i] = x
-        logits = self.model.get_output_embeddings()(_rms_norm(dec.norm, x))
-        return TargetOutput(logits[0], self._collect_features())
 
     @torch.inference_mode()
     def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -459,7 +320,7 @@ class Target:
             # (a growing layer's buffers: the same rows and strides, without slicing 60 views)
             tensors = [t for layer in layers for t in (layer.buffers() if type(layer) is GrowingLayer
                                                        and layer.in_buffers() else (layer.keys, layer.values))]
-            if not (self.device.type == "cpu" and cpu_native.move_rows(tensors, src, list(range(prefix_len, keep)))):
+            if not (self.device.type == "cpu" and cpu_rows.move_rows(tensors, src, list(range(prefix_len, keep)))):
                 idx = torch.tensor(src, device=self.device)
                 for layer in layers:
                     layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, idx)

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import LlamaConfig  # noqa: E402
 
-from bastion.latency import HardwareSpec, LatencyModel, ModelSpec  # noqa: E402
+from bastion.hardware import HardwareSpec, ModelSpec  # noqa: E402
+from bastion.latency import LatencyModel  # noqa: E402
 
 OVERHEAD_S = 0.006  # draft + bookkeeping of a round
 

@@ -128,7 +128,7 @@ def test_the_embedded_target_compresses_exactly_and_keeps_its_logits():
 
 
 def test_the_benchmark_reports_the_panels_in_use():
-    from bastion.bench import _linear_mode
+    from bastion.bench_runs import linear_mode
 
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
     with torch.no_grad():
@@ -136,11 +136,11 @@ def test_the_benchmark_reports_the_panels_in_use():
     use_skinny_linear(model, "native")
     for m in model:
         m.panels()
-    assert _linear_mode(model).startswith("native: packed few-row kernel, 1 of 2 matrices in exact 4/8-bit")
+    assert linear_mode(model).startswith("native: packed few-row kernel, 1 of 2 matrices in exact 4/8-bit")
     use_skinny_linear(model, "native-f32")
-    assert _linear_mode(model).startswith("native-f32: packed few-row kernel, float32 panels")
+    assert linear_mode(model).startswith("native-f32: packed few-row kernel, float32 panels")
     use_skinny_linear(model, "stock")
-    assert _linear_mode(model) == "stock: F.linear"
+    assert linear_mode(model) == "stock: F.linear"
 
 
 @pytest.fixture(scope="module", params=[("-mno-avx512f",), ("-mno-avx512f", "-mno-fma")], ids=["avx2", "no-fma"])

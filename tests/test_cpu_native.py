@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bastion.kernels import cpu_native
+from bastion.kernels import cpu_native, cpu_rows
 from bastion.kernels.cpu_linear import SkinnyLinear, prepack, skinny_linear, use_skinny_linear
 
 HAVE_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -361,17 +361,17 @@ def test_move_rows_equals_torchs_gather_and_refuses_what_it_cannot_move():
     want = [t.clone() for t in tensors]
     for w in want:
         w[:, :, 5:9] = w.index_select(2, torch.tensor(src))
-    assert cpu_native.move_rows(tensors, src, dst)
+    assert cpu_rows.move_rows(tensors, src, dst)
     assert all(torch.equal(t, w) for t, w in zip(tensors, want))
     # not float32, rows out of range, or another head count: nothing moved, the caller uses torch
     for bad in ([tensors[0].double()], [tensors[0][:, :, :10]], [tensors[0], tensors[1][:, :2]]):
         before = [t.clone() for t in bad]
-        assert not cpu_native.move_rows(bad, src, dst)
+        assert not cpu_rows.move_rows(bad, src, dst)
         assert all(torch.equal(t, b) for t, b in zip(bad, before))
     with pytest.raises(ValueError, match="increasing"):
-        cpu_native.move_rows(tensors, [7, 5], [5, 6])
+        cpu_rows.move_rows(tensors, [7, 5], [5, 6])
     with pytest.raises(ValueError, match="increasing"):
-        cpu_native.move_rows(tensors, [5, 7], [5, 8])
+        cpu_rows.move_rows(tensors, [5, 7], [5, 8])
 
 
 @pytest.mark.parametrize("n", [576, 64, 37, 8, 3])
@@ -388,19 +388,19 @@ def test_rms_norm_equals_transformers_norm_and_is_row_invariant(n, rows):
     x = torch.randn(rows, n, generator=g) * 3
     with torch.no_grad():
         want = norm(x)
-        got = cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        got = cpu_rows.rms_norm(x, norm.weight, norm.variance_epsilon)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=2e-6, atol=2e-6)
-    alone = torch.cat([cpu_native.rms_norm(x[i:i + 1], norm.weight, 1e-5) for i in range(rows)])
+    alone = torch.cat([cpu_rows.rms_norm(x[i:i + 1], norm.weight, 1e-5) for i in range(rows)])
     assert torch.equal(got, alone)
-    assert torch.equal(cpu_native.rms_norm(x.view(1, rows, n), norm.weight, 1e-5)[0], got)  # any leading shape
+    assert torch.equal(cpu_rows.rms_norm(x.view(1, rows, n), norm.weight, 1e-5)[0], got)  # any leading shape
 
 
 def test_rms_norm_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="CPU float32"):
-        cpu_native.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+        cpu_rows.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
     with pytest.raises(ValueError, match="CPU float32"):
-        cpu_native.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
+        cpu_rows.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
 
 
 def test_native_modules_switch_and_keep_the_module_elsewhere():
@@ -416,10 +416,10 @@ def test_native_modules_switch_and_keep_the_module_elsewhere():
     assert "forward" in model[0].__dict__ and "forward" in model[2].__dict__
     assert "forward" not in model[1].__dict__ and "forward" not in model[3].__dict__
     calls = []
-    real_norm, real_silu = cpu_native.rms_norm, cpu_native.silu
+    real_norm, real_silu = cpu_rows.rms_norm, cpu_rows.silu
     try:
-        cpu_native.rms_norm = lambda *a: (calls.append("norm"), real_norm(*a))[1]
-        cpu_native.silu = lambda *a: (calls.append("silu"), real_silu(*a))[1]
+        cpu_rows.rms_norm = lambda *a: (calls.append("norm"), real_norm(*a))[1]
+        cpu_rows.silu = lambda *a: (calls.append("silu"), real_silu(*a))[1]
         x = torch.randn(3, 16)
         with torch.no_grad():
             model(x)
@@ -429,7 +429,7 @@ def test_native_modules_switch_and_keep_the_module_elsewhere():
         model.double()(torch.randn(3, 16, dtype=torch.float64))
         assert calls == ["norm", "silu"]
     finally:
-        cpu_native.rms_norm, cpu_native.silu = real_norm, real_silu
+        cpu_rows.rms_norm, cpu_rows.silu = real_norm, real_silu
     assert use_native_modules(model, False) == 2 and "forward" not in model[0].__dict__
 
 
@@ -439,17 +439,17 @@ def test_silu_equals_torch_and_is_row_invariant(n, rows):
     g = torch.Generator().manual_seed(n * rows)
     x = torch.randn(rows, n, generator=g) * 6
     x[0, 0], x[-1, -1] = -120.0, 95.0  # exp's lower limit, a large positive input
-    got = cpu_native.silu(x)
+    got = cpu_rows.silu(x)
     assert torch.allclose(got, F.silu(x), rtol=3e-7, atol=1e-7)
-    assert torch.equal(torch.cat([cpu_native.silu(x[i:i + 1]) for i in range(rows)]), got)
+    assert torch.equal(torch.cat([cpu_rows.silu(x[i:i + 1]) for i in range(rows)]), got)
     with pytest.raises(ValueError, match="CPU float32"):
-        cpu_native.silu(x.double())
+        cpu_rows.silu(x.double())
 
 
 @pytest.mark.parametrize("heads,d", [(9, 64), (3, 64), (4, 8), (2, 128)])
 @pytest.mark.parametrize("n", [1, 9, 70])
 def test_rope_is_transformers_rotary_embedding_bit_for_bit(heads, d, n):
-    """cpu_native.rope rounds each product and the sum as torch's elementwise ops do (no fused
+    """cpu_rows.rope rounds each product and the sum as torch's elementwise ops do (no fused
     multiply-add), so its bits are transformers' apply_rotary_pos_emb's — what keeps the lean loop and
     transformers' forward bit-identical."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -459,14 +459,14 @@ def test_rope_is_transformers_rotary_embedding_bit_for_bit(heads, d, n):
     angle = torch.rand(n, d // 2, generator=g) * 300
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
     want, _ = apply_rotary_pos_emb(x[None].transpose(1, 2), x[None].transpose(1, 2), cos[None], sin[None])
-    got = cpu_native.rope(x, cos, sin)
+    got = cpu_rows.rope(x, cos, sin)
     assert got.shape == x.shape
     assert torch.equal(got[None].transpose(1, 2), want)
-    assert torch.equal(cpu_native.rope(x.transpose(0, 1).contiguous().transpose(0, 1), cos, sin), got)  # strided in
+    assert torch.equal(cpu_rows.rope(x.transpose(0, 1).contiguous().transpose(0, 1), cos, sin), got)  # strided in
 
 
 def test_rope_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="d even"):
-        cpu_native.rope(torch.zeros(2, 3, 5), torch.zeros(2, 5), torch.zeros(2, 5))
+        cpu_rows.rope(torch.zeros(2, 3, 5), torch.zeros(2, 5), torch.zeros(2, 5))
     with pytest.raises(ValueError, match="cos / sin"):
-        cpu_native.rope(torch.zeros(2, 3, 4), torch.zeros(1, 4), torch.zeros(2, 4))
+        cpu_rows.rope(torch.zeros(2, 3, 4), torch.zeros(1, 4), torch.zeros(2, 4))

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from bastion.drafter_io import load_drafter, save_drafter
 from bastion.engine import Engine, GenerationConfig
 from bastion.distill import make_batch, train_step
-from bastion.drafter_ops import new_drafter
+from bastion.drafter_ops import new_drafter, request_vocab
 from tiny import tiny_drafter, tiny_target
 
 
@@ -212,7 +212,7 @@ def test_draft_vocabulary_round_trip_and_lossless(tmp_path):
         for st in steps:
             assert set(st.tree.tokens[1:]) <= allowed
             allowed |= set(st.tokens)
-    widened = engine._request_vocab([5, 6, 7, 9])[0]
+    widened = request_vocab(engine.drafter.draft_vocab, [5, 6, 7, 9])[0]
     assert widened.tolist() == vocab.tolist() + [6]  # odd ids are already there
 
 

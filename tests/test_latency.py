@@ -5,7 +5,8 @@ import random
 import torch
 from transformers import LlamaConfig
 
-from bastion.latency import HardwareSpec, LatencyModel, ModelSpec, known_device, measure_device
+from bastion.hardware import HardwareSpec, ModelSpec, known_device, measure_device
+from bastion.latency import LatencyModel
 
 
 def spec():

@@ -1,10 +1,12 @@
-"""The repository stays small: no large binaries beyond the shipped drafter, and room left for a GPU call.
+"""The repository stays small and readable: no large binaries beyond the shipped drafter, room left for a
+GPU call, and modules and functions of the sizes ../shared/STYLE.md asks for.
 
 A call to a lent GPU machine sends the whole working tree plus what it carries, 64 MiB in all, and
 ``scripts/gpu_payload.py`` needs room beside the tree for the wheels, the data and the embedded GGUF
 in pieces. Benchmark folders accumulate session after session; this fails before they crowd it out.
 """
 
+import ast
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TREE_LIMIT_MIB = 48  # leaves 16 MiB per GPU call for the payload
 FILE_LIMIT_MIB = 20  # the drafter's weights (16.1 MiB) are the one large file
+MODULE_LINES = 420  # STYLE: files under ~400 lines and functions under ~60
+FUNCTION_LINES = 65
 
 
 def tracked_files() -> list[Path]:
@@ -39,3 +43,24 @@ def test_no_large_file_but_the_drafter():
     assert not big, f"files over {FILE_LIMIT_MIB} MiB: {', '.join(big)}"
     uncompressed_logs = [str(p.relative_to(ROOT)) for p in files if p.name == "rounds.csv"]
     assert not uncompressed_logs, f"commit per-round logs as rounds.csv.gz (bastion/report.py): {uncompressed_logs}"
+
+
+
+def test_modules_and_functions_stay_short():
+    """Library and app code (not tests, benchmarks or scripts): every module and every function short
+    enough to read at once; a module that outgrows it is split by what its parts do."""
+    sources = sorted([*ROOT.glob("bastion/**/*.py"), *ROOT.glob("app/*.py"), ROOT / "app.py"])
+    assert len(sources) > 30
+    long_modules, long_functions = [], []
+    for path in sources:
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        if len(text.splitlines()) > MODULE_LINES:
+            long_modules.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({size} lines)")
+    assert not long_modules, f"modules over {MODULE_LINES} lines: {', '.join(long_modules)}"
+    assert not long_functions, f"functions over {FUNCTION_LINES} lines: {', '.join(long_functions)}"

@@ -173,9 +173,9 @@ def test_noise_rows_are_hashed_once_per_position_and_change_no_draw(monkeypatch)
 
 @pytest.mark.parametrize("seed", [0, 4, 2**31 + 7, 2**40 + 123, 2**64 - 1])
 def test_native_uniform_rows_are_the_reference_streams_bits(seed):
-    """GumbelRows hashes new CPU rows natively (cpu_native.uniform_rows): the same bits as the torch
+    """GumbelRows hashes new CPU rows natively (cpu_rows.uniform_rows): the same bits as the torch
     reference's uniform_stream (and so the Triton kernel's), for any seed and row counter."""
-    from bastion.kernels import cpu_native
+    from bastion.kernels import cpu_native, cpu_rows
     from bastion.kernels.reference import GumbelRows, row_keys, uniform_stream
 
     if not cpu_native.available():
@@ -185,7 +185,7 @@ def test_native_uniform_rows_are_the_reference_streams_bits(seed):
         rows = torch.tensor(counters, dtype=torch.int64)
         want = uniform_stream(seed, 0, len(counters), vocab, counters=rows)
         keys = row_keys(seed, rows & 0xFFFFFFFF).tolist()
-        assert torch.equal(cpu_native.uniform_rows(keys, vocab), want)
+        assert torch.equal(cpu_rows.uniform_rows(keys, vocab), want)
     native, reference = GumbelRows(seed), GumbelRows(seed, native=False)
     assert native.native and not reference.native
     assert torch.equal(native.rows([5, 9, 9, 12], 300), reference.rows([5, 9, 9, 12], 300))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from bastion import target_lean
 from bastion.kernels import get_kernels
 from bastion.kvcache import GrowingLayer
 from tiny import tiny_target
@@ -111,10 +112,10 @@ def test_lean_forward_is_bit_identical_to_transformers_forward(family, monkeypat
     target = tiny_target(family, dtype=torch.float32)
     target.set_feature_layers([1, 3])
     kernels = get_kernels("torch")
-    assert target._lean_qualifies()
+    assert target_lean.lean_qualifies(target)
     calls = []
-    real = target._lean_forward
-    monkeypatch.setattr(target, "_lean_forward", lambda *a: (calls.append(1), real(*a))[1])
+    real = target_lean.lean_forward
+    monkeypatch.setattr(target_lean, "lean_forward", lambda *a: (calls.append(1), real(*a))[1])
     for parents in ([-1], [-1, 0, 0, 1, 2], [-1] + list(range(69))):
         outs = {}
         for lean in (True, False):
@@ -126,7 +127,7 @@ def test_lean_forward_is_bit_identical_to_transformers_forward(family, monkeypat
         assert torch.equal(outs[True].logits, outs[False].logits), parents
         assert torch.equal(outs[True].features, outs[False].features), parents
     assert len(calls) == 2  # the 70-row tree went through transformers' forward
-    assert not tiny_target(family, dtype=torch.float64)._lean_qualifies()  # not float32
+    assert not target_lean.lean_qualifies(tiny_target(family, dtype=torch.float64))  # not float32
 
 
 @pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
@@ -180,14 +181,14 @@ def test_fused_decoder_gives_the_python_loops_bits_step_after_step(family):
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], before)
     use_native_modules(target.model, False)
     target.fused = True
-    plan = target._lean_plan(target.model.get_decoder().layers)
-    assert plan is not None and target._fused_decoder(target.model.get_decoder().layers, plan) is None
+    plan = target_lean.lean_plan(target, target.model.get_decoder().layers)
+    assert plan is not None and target_lean.fused_decoder(target, target.model.get_decoder().layers, plan) is None
 
 
 @pytest.mark.skipif("not __import__('bastion.kernels.cpu_native', fromlist=['x']).available()",
                     reason="native kernel not built here")
 def test_lean_products_follow_weight_and_mode_changes():
-    """The lean loop calls the native products directly (``_lean_plan``), holding their panels; so a
+    """The lean loop calls the native products directly (``target_lean.lean_plan``), holding their panels; so a
     weight edited in place, a replaced weight and a changed linear mode must each reach its next
     forward. After each change, its logits equal transformers' forward through the modules."""
     from bastion.kernels.cpu_linear import use_skinny_linear

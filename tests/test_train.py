@@ -177,7 +177,7 @@ def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path
     """fit --init without --draft-vocab trains on the init drafter's vocabulary, also after a reload of
     shards the data job wrote meanwhile (a vocabulary refitted on a small new folder would drop tokens
     the drafter learned on all earlier data)."""
-    from bastion import train
+    from bastion import fitting, train
     from bastion.drafter_io import load_drafter, save_drafter
 
     data = tmp_path / "data"
@@ -190,7 +190,7 @@ def test_a_warm_start_keeps_its_draft_vocabulary_when_new_shards_appear(tmp_path
     d.set_draft_vocab(vocab)
     save_drafter(d, init)
     counts = iter(range(1, 100))  # the shard count grows at every check: every checkpoint reloads
-    monkeypatch.setattr(train, "count_shards", lambda data: next(counts))
+    monkeypatch.setattr(fitting, "count_shards", lambda data: next(counts))
     fit = ["fit", "--data", str(data), "--ckpt", str(tmp_path / "ckpt"), "--rows", "2", "--anchors", "2",
            "--loss-depths", "3", "--ckpt-every", "1", "--steps", "2", "--init", str(init),
            "--export", str(tmp_path / "out")] + common
@@ -665,7 +665,7 @@ def test_average_of_drafters_is_their_mean_and_refuses_strangers(tmp_path, capsy
 
 
 def test_a_new_drafter_starts_from_its_seed_and_leaves_the_global_generator_alone():
-    from bastion.train import FitConfig, _fit_drafter
+    from bastion.fitting import FitConfig, _fit_drafter
 
     target = tiny_target(dtype=torch.float32)
 
@@ -844,7 +844,7 @@ def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys
     assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8",
                  "--threads", "1"]) == 0
     seen = []
-    import bastion.train as train_mod
+    import bastion.fitting as train_mod
     real = train_mod.train_step
     monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     fit = ["fit", "--data", str(data), "--rows", "2", "--anchors", "2", "--loss-depths", "2", "--steps", "1",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from bastion.drafter import DFlashDrafter, DrafterConfig, spread_layer_ids
+from bastion.drafter import DFlashDrafter, DrafterConfig
+from bastion.drafter_config import spread_layer_ids
 from bastion.target import Target
 
 

@@ -1,4 +1,4 @@
-"""Decoder layers as one native call (``cpu_layer.c``): a target's in ``Target._lean_forward``, a
+"""Decoder layers as one native call (``cpu_layer.c``): a target's in ``target_lean.lean_forward``, a
 DFlash drafter's in ``drafter_lean.lean_layers``.
 
 The Python loops run each layer as ~25 calls (seven products, norms, rotary, the cache update, the

@@ -1,5 +1,5 @@
 /*
- * The decoder layers of a Llama / Qwen3 target in one native call (Target._lean_forward), and of a
+ * The decoder layers of a Llama / Qwen3 target in one native call (target_lean.lean_forward), and of a
  * DFlash drafter (drafter_lean.lean_layers: its context rows ride along, see `fresh` below).
  *
  * The lean loop in Python calls ~25 things a layer - seven products, norms, the rotary embedding,

@@ -158,7 +158,7 @@ _mode_changes = 0  # how many use_skinny_linear calls changed something (see mod
 
 def mode_changes() -> int:
     """A counter that :func:`use_skinny_linear` advances whenever it changes a module's mode: callers
-    that cache a decision about modes (``target.Target._lean_plan``) compare it instead of re-reading
+    that cache a decision about modes (``target_lean.lean_plan``) compare it instead of re-reading
     every module."""
     return _mode_changes
 

@@ -3,7 +3,7 @@
 transformers' float32 RMSNorm is six torch ops and its SiLU one more, each dispatched and, at a few
 rows, each waking torch's thread pool: on the 2-core Zen 3, nine rows of the embedded target spent
 ~90 µs a norm and ~20 µs an activation, 61 norms and 30 activations a forward. :func:`use_native_modules`
-points such modules' ``forward`` at :func:`cpu_native.rms_norm` and :func:`cpu_native.silu` (CPU
+points such modules' ``forward`` at :func:`cpu_rows.rms_norm` and :func:`cpu_rows.silu` (CPU
 float32, no autograd; anything else keeps the module's own forward).
 """
 
@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, cpu_rows
 
 NATIVE_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # w * (x * rsqrt(mean x² + ε))
 NATIVE_ACTS = ("SiLUActivation", "SiLU")
@@ -30,19 +30,19 @@ def _native_here(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
 
 def _native_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _native_here(x, norm.weight):
-        return cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return cpu_rows.rms_norm(x, norm.weight, norm.variance_epsilon)
     return type(norm).forward(norm, x)
 
 
 def _native_silu_forward(act: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _native_here(x):
-        return cpu_native.silu(x)
+        return cpu_rows.silu(x)
     return type(act).forward(act, x)
 
 
 def use_native_modules(model: torch.nn.Module, on: bool = True) -> int:
-    """Run every Llama / Qwen-style RMSNorm of ``model`` through :func:`cpu_native.rms_norm` and every
-    SiLU activation through :func:`cpu_native.silu` (on CPU float32 inputs without autograd; other
+    """Run every Llama / Qwen-style RMSNorm of ``model`` through :func:`cpu_rows.rms_norm` and every
+    SiLU activation through :func:`cpu_rows.silu` (on CPU float32 inputs without autograd; other
     inputs keep the module's own forward), or back; returns how many modules changed.
 
     Set per instance (``forward``), so parameters, hooks and state-dict keys stay; whether the kernel

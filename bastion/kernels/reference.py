@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, cpu_rows
 
 _MASK32 = 0xFFFFFFFF
 
@@ -97,7 +97,7 @@ class GumbelRows:
     """
 
     def __init__(self, seed: int, device=None, keep: int = 64, native: bool | None = None):
-        """``native``: hash new CPU rows with :func:`cpu_native.uniform_rows` (default: where the
+        """``native``: hash new CPU rows with :func:`cpu_rows.uniform_rows` (default: where the
         library is built)."""
         self.seed, self.device, self.keep = seed, device, keep
         self.native = cpu_native.available() if native is None else native
@@ -118,7 +118,7 @@ class GumbelRows:
         if new:
             if self.native and (self.device is None or torch.device(self.device).type == "cpu"):
                 # the same bits natively (~1 ms a row of 49,152 tokens in torch ops on a 2-core CPU)
-                u = cpu_native.uniform_rows([_row_key(self.seed, c) for c in new], vocab)
+                u = cpu_rows.uniform_rows([_row_key(self.seed, c) for c in new], vocab)
             else:
                 u = uniform_stream(self.seed, 0, len(new), vocab, device=self.device,
                                    counters=torch.tensor(new, dtype=torch.int64))
