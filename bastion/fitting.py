@@ -78,7 +78,7 @@ class FitConfig:
     export: Path | None = None   # also write the drafter folder (fp16) at each checkpoint
     seed: int = 0                # seed of the batch stream (rows, anchors, block lengths)
     mask_token_id: int = MASK_TOKEN_SMOLLM2
-    bf16: bool = True            # autocast the drafter's forward to bf16 (where it is fast: _bf16_is_fast)
+    bf16: bool = True            # autocast the drafter's forward to bf16 (where it is fast: bf16_is_fast)
     loss_depths: int | None = None  # train depths 1..D only (default B − 1)
     init: Path | None = None     # warm start from this drafter folder
     draft_vocab: int | None = None  # draft over the N most frequent tokens of the data only
@@ -200,7 +200,7 @@ def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
     return records, n_shards
 
 
-def _bf16_is_fast(device: torch.device) -> bool:
+def bf16_is_fast(device: torch.device) -> bool:
     """bf16 autocast pays on a GPU and on CPUs with bf16 arithmetic; elsewhere it is emulated and
     ~20× slower than float32 (``fit`` then trains in float32 and says so)."""
     from .kernels.cpu_build import cpu_has_bf16
@@ -225,7 +225,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     spent = log[-1]["time"] if log else 0.0  # wall time of earlier runs, so a resumed schedule continues
     t0 = time.time() - spent
     deadline = t0 + 60 * cfg.minutes if cfg.minutes else float("inf")
-    bf16 = cfg.bf16 and _bf16_is_fast(target.device)
+    bf16 = cfg.bf16 and bf16_is_fast(target.device)
     if cfg.bf16 and not bf16:
         print("fit: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX); training in float32, where bf16 "
               "autocast would run ~20x slower", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Loading the target, the drafter and prompts: the defaults a user gets without naming anything."""
+"""Loading the target, the drafter and prompts: the defaults a user gets without naming anything; and
+:func:`freeze_heap`, which moves what was loaded out of the garbage collector's scans."""
 
 from __future__ import annotations
 

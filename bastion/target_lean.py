@@ -11,6 +11,8 @@ functions keep lives on the :class:`~bastion.target.Target` (``lean``, ``fused``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .kernels import cpu_native, cpu_rows
@@ -18,6 +20,9 @@ from .kernels.cpu_attention import NATIVE_NAME
 from .kernels.cpu_decoder import NativeDecoder
 from .kernels.cpu_linear import SkinnyLinear, mode_changes
 from .kvcache import GrowingLayer
+
+if TYPE_CHECKING:
+    from .target import Target
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +37,8 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 LEAN_LAYERS = ("LlamaDecoderLayer", "Qwen3DecoderLayer")  # decoder layers the loop reproduces
 
-def lean_qualifies(target) -> bool:
+
+def lean_qualifies(target: Target) -> bool:
     """Whether :func:`lean_forward` computes exactly what transformers' forward does here: a CPU
     float32 Llama or Qwen3 decoder (every layer full attention, SiLU MLP) whose attention already
     runs in the native kernel (the cache's layers are updated as transformers' attention does)."""
@@ -47,7 +53,8 @@ def lean_qualifies(target) -> bool:
     return all(type(layer).__name__ in LEAN_LAYERS
                and getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
 
-def lean_plan(target, layers) -> list[tuple] | None:
+
+def lean_plan(target: Target, layers) -> list[tuple] | None:
     """Per decoder layer its seven products (q, k, v, o, gate, up, down) as pre-checked native calls
     (:class:`cpu_native.Product`), or None when any of them is not a float32 native
     :class:`SkinnyLinear` (the loop then calls the modules).
@@ -77,7 +84,8 @@ def lean_plan(target, layers) -> list[tuple] | None:
     target._plan = (layers, mode_changes(), mods, weights, [w._version for w in weights], plan)
     return plan
 
-def fused_decoder(target, layers, plan: list[tuple] | None) -> NativeDecoder | None:
+
+def fused_decoder(target: Target, layers, plan: list[tuple] | None) -> NativeDecoder | None:
     """The layers as one native call (:class:`NativeDecoder`, made once per plan and checked every
     forward, ~30 µs) when ``fused`` is on, it computes what the loop would
     (:meth:`NativeDecoder.qualifies`) and the cache's layers append in place; else None."""
@@ -97,7 +105,8 @@ def fused_decoder(target, layers, plan: list[tuple] | None) -> NativeDecoder | N
     return target._fused
 
 
-def lean_forward(target, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def lean_forward(target: Target, tokens: torch.Tensor, mask: torch.Tensor,
+                 position_ids: torch.Tensor) -> torch.Tensor:
     """Logits [n, V] of ``Target.forward_tree`` through the decoder's own modules without transformers'
     forward around them; the feature layers' states go to ``target._captured`` as the hooks would put them.
 

@@ -36,7 +36,7 @@ import torch
 from .corpus import CORPORA
 from .drafter_config import spread_layer_ids
 from .drafter_ops import average_drafters
-from .fitting import FitConfig, _bf16_is_fast, fit
+from .fitting import FitConfig, bf16_is_fast, fit
 from .loading import EMBEDDED, checked_device, load_target
 from .traindata import make_data, make_replay
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
-        if a.gen_dtype == "bfloat16" and not _bf16_is_fast(target.device):
+        if a.gen_dtype == "bfloat16" and not bf16_is_fast(target.device):
             print("data: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX): --gen-dtype bfloat16 will be "
                   "slower than float32 here, not faster", file=sys.stderr)
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
