@@ -274,7 +274,7 @@ class Target:
         """The outputs [b, L, h] of decoder layers ``outputs`` (ids after ``layer_id``, ascending) for
         padded sequences whose layer ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L]
         marks real tokens): only the layers after it run, causally — what a feature stored once for
-        ``layer_id`` costs to carry further (``train.fit --kd``, ``--add-feature-layers``)."""
+        ``layer_id`` costs to carry further (``fit --kd``, ``--add-feature-layers``: ``fitting.py``)."""
         if sorted(set(outputs)) != list(outputs) or not outputs or not layer_id < outputs[0] or outputs[-1] >= self.num_layers:
             raise ValueError(f"layer ids {outputs} must ascend, follow layer {layer_id} and lie below {self.num_layers}")
         dec = self.model.get_decoder()
@@ -298,7 +298,7 @@ class Target:
         """The final normed hidden states [b, L, h] of padded sequences whose decoder layer
         ``layer_id``'s outputs are ``hidden`` [b, L, h] (``valid`` [b, L] marks real tokens): the
         layers after it run causally (:meth:`layers_from`), so the logits of a training sequence cost
-        only its last few layers when that layer's outputs are stored as features (``train.fit --kd``)."""
+        only its last few layers when that layer's outputs are stored as features (``fit --kd``, ``fitting.py``)."""
         last = self.num_layers - 1
         h = hidden.to(self.dtype) if layer_id == last else self.layers_from(hidden, layer_id, valid, [last])[0]
         return self.model.get_decoder().norm(h)
