@@ -18,6 +18,9 @@ from .report import Run
 
 
 def run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list[dict], tag: dict) -> Run:
+    """One run of ``cfg`` on the prompt ids through the engine: its :class:`Run`, and one row per round
+    (tree size, rows, context, tokens, predicted and measured verify time, threads) appended to
+    ``rows`` under ``tag`` — the benchmark's per-round log, ``rounds.csv.gz``."""
     steps = list(engine.generate(ids, cfg))
     res = engine.summarize(steps, len(ids))
     rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), rows=s.rows, context=s.context_len, tokens=len(s.tokens),
