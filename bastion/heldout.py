@@ -11,7 +11,9 @@ context a decoding round has — and compares with the reply:
 - τ of simulated decoders that start each round where the previous one ended: the drafter's chain
   (DFlash), prompt lookup alone (lookup.NgramIndex), a tree holding both (a round accepts the longer
   of the two matches), the datastore alone (datastore.Datastore, when the drafter folder has one) and
-  a tree holding all three. Measured τ of ``chain`` in the benchmark should match the first.
+  a tree holding all three, and with ``--trees N,...`` the drafter's best-first trees of N nodes (plain
+  and re-weighted per parent by the datastore's n-grams). Measured τ of ``chain`` in the benchmark
+  should match the first.
 
 All of it is cheap next to a benchmark (one drafter forward per 16 positions) and deterministic.
 ``--data DIR`` scores replies the drafter was *trained* on instead (sampled from its training data
@@ -101,14 +103,24 @@ def eval_records(target: Target, layer_ids: list[int], cache: Path | None, max_n
     return records
 
 
-@torch.inference_mode()
 def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: int = 16, block: int | None = None
                   ) -> tuple[list[int], list[list[bool]]]:
     """For every anchor a in the reply: accepted chain length and per-depth hits of the drafter's argmax.
 
     ``block`` B' ≤ B: draft blocks of B' tokens, [token_a, MASK × (B'−1)] — what a decoding round with
     an adaptive draft depth D = B'−1 runs (draft_policy.DraftDepth); default the drafter's own B."""
+    lengths, hits, _ = scan(drafter, target, rec, per_call=per_call, block=block)
+    return lengths, hits
+
+
+@torch.inference_mode()
+def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call: int = 16,
+         block: int | None = None) -> tuple[list[int], list[list[bool]], list[tuple[list, list]]]:
+    """:func:`chain_lengths`' lengths and hits, and with ``k`` > 0 also, per anchor, the drafter's
+    top-k log q of each depth 1..B'−1 and their token ids ([B'−1][k] lists each, as the engine's
+    ``expansion.topk_tensors`` gives them) for :func:`tree_lengths` — one drafter pass for both."""
     from .distill import block_mask  # the training-time packing of several blocks into one row
+    from .expansion import topk_tensors
 
     ids, P, B = rec["ids"], rec["prompt_len"], block or drafter.block_size
     if not 2 <= B <= drafter.block_size:
@@ -118,7 +130,7 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
     feats = rec["feats"].to(dt)[None]
     ctx_kv = drafter.context_kv(feats, torch.arange(n)[None])
     valid = torch.ones(1, n, dtype=torch.bool)
-    lengths, hits = [], []
+    lengths, hits, lists = [], [], []
     anchors = list(range(P - 1, n - 1))
     for c0 in range(0, len(anchors), per_call):
         A = anchors[c0:c0 + per_call]
@@ -137,13 +149,40 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
         if vocab is not None:
             pred = vocab[pred]
         pred = pred.view(len(A), B - 1).tolist()
+        if k > 0:
+            vals, tops = topk_tensors(torch.log_softmax(logits.float(), -1), k, vocab)
+            lists += zip(vals.view(len(A), B - 1, -1).tolist(), tops.view(len(A), B - 1, -1).tolist())
         for j, a in enumerate(A):
             truth = ids[a + 1:a + B]
             row = [p == t for p, t in zip(pred[j], truth)]
-            k = next((i for i, ok in enumerate(row) if not ok), len(row))
-            lengths.append(k)
+            lengths.append(next((i for i, ok in enumerate(row) if not ok), len(row)))
             hits.append(row)
-    return lengths, hits
+    return lengths, hits, lists
+
+
+def tree_lengths(rec: dict, lists: list[tuple[list, list]], size: int, prior=None) -> list[int]:
+    """For every anchor a: how many tokens of the reply after a the best-first tree of ``size`` drafter
+    nodes (``expansion.best_first_from_topk``, a fixed budget, ranked by the drafter's raw q: the
+    engine's ``fixed:N`` with calibration off) holds as one path from its root token_a. With ``prior``
+    (datastore.NgramPrior) each node's children are re-weighted by its last two tokens first
+    (``expansion.Rerank``), as Bastion's trees are at T = 0. ``lists``: :func:`scan`'s top-k lists,
+    k ≥ ``size`` (and ≥ the re-weighting's 8 candidates with a prior)."""
+    from .expansion import BudgetRule, Rerank, best_first_from_topk
+
+    ids, P = rec["ids"], rec["prompt_len"]
+    out = []
+    for a, (vals, tops) in zip(range(P - 1, len(ids) - 1), lists):
+        rule = BudgetRule("fixed", budget=size, max_depth=len(vals))
+        rerank = Rerank(vals, tops, prior) if prior is not None else None
+        tree = best_first_from_topk(ids[a], vals, tops, rule, rerank=rerank, before_root=ids[a - 1] if a else None).tree
+        kids, node, k = tree.children(), 0, 0
+        while a + 1 + k < len(ids):
+            node = next((c for c in kids[node] if tree.tokens[c] == ids[a + 1 + k]), None)
+            if node is None:
+                break
+            k += 1
+        out.append(k)
+    return out
 
 
 def _matched(proposal, truth: list[int]) -> int:
@@ -211,9 +250,13 @@ def _confidence_bin(p: float) -> int:
 
 
 def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None,
-             block: int | None = None, by_confidence: bool = False) -> dict:
+             block: int | None = None, by_confidence: bool = False, trees: tuple[int, ...] = ()) -> dict:
     """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain, lookup,
     both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`.
+
+    ``trees``: also τ of decoders whose rounds verify the drafter's best-first tree of N nodes
+    (:func:`tree_lengths`), as ``fixed:N``, and with a datastore ``cond:N`` with each node's children
+    re-weighted by its n-grams (Bastion's drafter nodes at that size, without copy branches).
 
     ``by_confidence``: also the drafter's depth-1 accuracy per bin of the target's own confidence in
     the token (:func:`greedy_confidence`, bins :data:`CONFIDENCE_EDGES`): ``"by_confidence"`` holds
@@ -223,14 +266,23 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     groups: dict[str, dict] = {}
     depths = min(depths, (block or drafter.block_size) - 1)
     n_bins = len(CONFIDENCE_EDGES) - 1
+    prior = None
+    if trees and datastore is not None:
+        from .datastore import NgramPrior
+
+        prior = NgramPrior(datastore)
     for rec in records:
-        lengths, hits = chain_lengths(drafter, target, rec, block=block)
+        lengths, hits, lists = scan(drafter, target, rec, k=max([*trees, 8]) if trees else 0, block=block)
         conf = greedy_confidence(target, rec, drafter.cfg.target_layer_ids[-1]) if by_confidence else []
         looks = lookup_lengths(rec)
         sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
         if datastore is not None:
             sims["datastore"] = datastore_lengths(rec, datastore)
             sims["all"] = [max(x, y) for x, y in zip(sims["both"], sims["datastore"])]
+        for size in trees:
+            sims[f"fixed:{size}"] = tree_lengths(rec, lists, size)
+            if prior is not None:
+                sims[f"cond:{size}"] = tree_lengths(rec, lists, size, prior)
         for name in (rec["category"], "all"):
             g = groups.setdefault(name, {"hits": [[0, 0] for _ in range(depths)], "chain": [],
                                          "sim": {k: [0, 0] for k in sims}, "conf": [[0, 0] for _ in range(n_bins)]})
@@ -280,6 +332,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="with --data: the sample's seed")
     ap.add_argument("--by-confidence", action="store_true",
                     help="also the drafter's depth-1 accuracy per bin of the target's own confidence in the token")
+    ap.add_argument("--trees", default="",
+                    help="comma-separated tree sizes N: also τ of the drafter's best-first trees of N nodes "
+                         "(fixed:N; cond:N with the datastore's per-parent re-weighting)")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -295,6 +350,12 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     missing = [str(d) for d in a.data or [] if not (d / "meta.json").is_file()]
     if missing:
         ap.error(f"not training data folders (no meta.json): {', '.join(missing)}")
+    try:
+        a.trees = tuple(int(x) for x in a.trees.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--trees wants comma-separated sizes, got {a.trees!r}")
+    if any(n < 1 or n > 64 for n in a.trees):
+        ap.error(f"--trees sizes must be in [1, 64], got {a.trees}")
     if a.cache is None:
         name = "heldout.pt" if a.prompts.resolve() == EVAL_PROMPTS.resolve() else f"heldout-{a.prompts.stem}.pt"
         a.cache = Path.home() / ".cache" / "bastion" / name
@@ -344,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
     else:
         records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
-    res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence)
+    res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence,
+                   trees=a.trees)
     if a.json:
         print(json.dumps(res))
     else:

@@ -198,3 +198,46 @@ def test_data_records_sample_training_replies_with_their_stored_features(tmp_pat
     with pytest.raises(SystemExit):
         main(["--data", str(tmp_path / "nowhere")])
     assert "no meta.json" in capsys.readouterr().err
+
+
+def test_teacher_forced_trees_equal_the_engines_fixed_rounds():
+    """tree_lengths over scan's top-k lists reproduces every round of the engine's ``fixed:N`` (calibration
+    off: the tree is ranked by the drafter's raw q) drafting N depths, i.e. blocks of N + 1; with a
+    datastore that knows the reply, the per-parent re-weighting (cond:N) holds more of it."""
+    from bastion.datastore import Datastore, NgramPrior
+    from bastion.heldout import scan, tree_lengths
+
+    target = tiny_target("llama", vocab=13, dtype=torch.float64)  # a small vocabulary: random trees hit
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = [3, 5, 7, 11]
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    cfg = GenerationConfig(strategy="fixed", budget=4, calibrate=False, pad_rows=False, max_new_tokens=40)
+    steps = list(engine.generate(prompt, cfg))
+    ids = prompt + [t for s in steps for t in s.tokens]
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+    rec = {"category": "x", "ids": ids, "prompt_len": len(prompt), "feats": feats}
+    lengths, hits, lists = scan(drafter, target, rec, k=8, block=5)
+    assert (lengths, hits) == chain_lengths(drafter, target, rec, block=5)
+    assert len(lists) == len(lengths) and all(len(v) == 4 and len(v[0]) == 8 for v, _ in lists)
+    got = tree_lengths(rec, lists, 4)
+    checked = [(got[s.context_len - len(prompt)], len(s.accepted) - 1) for s in steps[:-1]]
+    assert [g for g, _ in checked] == [e for _, e in checked]
+    assert any(e > 0 for _, e in checked)  # not only rounds that accepted nothing
+    assert tree_lengths(rec, lists, 1) == [min(c, 1) for c in lengths]  # one node: the argmax of depth 1
+    ds = Datastore.from_sequences([ids[2:]], target.vocab_size)
+    cond = tree_lengths(rec, lists, 4, NgramPrior(ds))
+    assert sum(cond) > sum(got)
+    res = evaluate(drafter, target, [rec], depths=3, block=5, trees=(2, 4), datastore=ds)
+    tau = res["all"]["tau"]
+    assert {"fixed:2", "fixed:4", "cond:2", "cond:4"} <= set(tau)
+    assert tau["fixed:4"] == round(simulate_tau(got)[0] / simulate_tau(got)[1], 3)
+
+
+def test_bad_tree_sizes_are_refused_before_the_target_loads(capsys):
+    from bastion.heldout import main
+
+    for arg, msg in [("4,x", "comma-separated sizes"), ("0", "must be in [1, 64]"), ("65", "must be in [1, 64]")]:
+        with pytest.raises(SystemExit):
+            main(["--trees", arg])
+        assert msg in capsys.readouterr().err
