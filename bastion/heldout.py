@@ -35,7 +35,7 @@ import torch
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
-from .lookup import CopySources, NgramIndex
+from .simulate import simulate_tau, simulations
 from .target import Target
 
 
@@ -160,67 +160,6 @@ def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call
     return lengths, hits, lists
 
 
-def tree_lengths(rec: dict, lists: list[tuple[list, list]], size: int, prior=None) -> list[int]:
-    """For every anchor a: how many tokens of the reply after a the best-first tree of ``size`` drafter
-    nodes (``expansion.best_first_from_topk``, a fixed budget, ranked by the drafter's raw q: the
-    engine's ``fixed:N`` with calibration off) holds as one path from its root token_a. With ``prior``
-    (datastore.NgramPrior) each node's children are re-weighted by its last two tokens first
-    (``expansion.Rerank``), as Bastion's trees are at T = 0. ``lists``: :func:`scan`'s top-k lists,
-    k ≥ ``size`` (and ≥ the re-weighting's 8 candidates with a prior)."""
-    from .expansion import BudgetRule, Rerank, best_first_from_topk
-
-    ids, P = rec["ids"], rec["prompt_len"]
-    out = []
-    for a, (vals, tops) in zip(range(P - 1, len(ids) - 1), lists):
-        rule = BudgetRule("fixed", budget=size, max_depth=len(vals))
-        rerank = Rerank(vals, tops, prior) if prior is not None else None
-        tree = best_first_from_topk(ids[a], vals, tops, rule, rerank=rerank, before_root=ids[a - 1] if a else None).tree
-        kids, node, k = tree.children(), 0, 0
-        while a + 1 + k < len(ids):
-            node = next((c for c in kids[node] if tree.tokens[c] == ids[a + 1 + k]), None)
-            if node is None:
-                break
-            k += 1
-        out.append(k)
-    return out
-
-
-def _matched(proposal, truth: list[int]) -> int:
-    k = 0
-    if proposal is not None:
-        while k < min(len(proposal.tokens), len(truth)) and proposal.tokens[k] == truth[k]:
-            k += 1
-    return k
-
-
-def datastore_lengths(rec: dict, datastore, max_tokens: int = 10) -> list[int]:
-    """For every anchor a: how many tokens the datastore proposes after ids[:a+1] match the reply."""
-    ids, P = rec["ids"], rec["prompt_len"]
-    ctx = CopySources.CONTEXT  # the engine's datastore queries see this many committed tokens
-    return [_matched(datastore.propose(ids[max(0, a + 1 - ctx):a + 1], max_tokens), ids[a + 1:a + 1 + max_tokens])
-            for a in range(P - 1, len(ids) - 1)]
-
-
-def lookup_lengths(rec: dict, max_ngram: int = 3, max_tokens: int = 10) -> list[int]:
-    """For every anchor a: how many proposed tokens of prompt lookup over ids[:a+1] match the reply."""
-    ids, P = rec["ids"], rec["prompt_len"]
-    index = NgramIndex(ids[:P], max_ngram)
-    out = []
-    for a in range(P - 1, len(ids) - 1):
-        out.append(_matched(index.propose(max_tokens), ids[a + 1:a + 1 + max_tokens]))
-        index.extend([ids[a + 1]])
-    return out
-
-
-def simulate_tau(accepted: list[int]) -> tuple[int, int]:
-    """(tokens, rounds) of a decoder whose round at anchor a accepts accepted[a] drafts plus a bonus."""
-    a = tokens = rounds = 0
-    while a < len(accepted):
-        step = accepted[a] + 1
-        tokens, rounds, a = tokens + step, rounds + 1, a + step
-    return tokens, rounds
-
-
 #: edges of the target-confidence bins of ``evaluate(by_confidence=True)``; the last bin holds 1.0
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
@@ -266,23 +205,10 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     groups: dict[str, dict] = {}
     depths = min(depths, (block or drafter.block_size) - 1)
     n_bins = len(CONFIDENCE_EDGES) - 1
-    prior = None
-    if trees and datastore is not None:
-        from .datastore import NgramPrior
-
-        prior = NgramPrior(datastore)
     for rec in records:
         lengths, hits, lists = scan(drafter, target, rec, k=max([*trees, 8]) if trees else 0, block=block)
         conf = greedy_confidence(target, rec, drafter.cfg.target_layer_ids[-1]) if by_confidence else []
-        looks = lookup_lengths(rec)
-        sims = {"chain": lengths, "lookup": looks, "both": [max(x, y) for x, y in zip(lengths, looks)]}
-        if datastore is not None:
-            sims["datastore"] = datastore_lengths(rec, datastore)
-            sims["all"] = [max(x, y) for x, y in zip(sims["both"], sims["datastore"])]
-        for size in trees:
-            sims[f"fixed:{size}"] = tree_lengths(rec, lists, size)
-            if prior is not None:
-                sims[f"cond:{size}"] = tree_lengths(rec, lists, size, prior)
+        sims = simulations(rec, lengths, lists, datastore, trees)
         for name in (rec["category"], "all"):
             g = groups.setdefault(name, {"hits": [[0, 0] for _ in range(depths)], "chain": [],
                                          "sim": {k: [0, 0] for k in sims}, "conf": [[0, 0] for _ in range(n_bins)]})

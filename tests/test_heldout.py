@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.heldout import chain_lengths, evaluate, lookup_lengths, simulate_tau
+from bastion.heldout import chain_lengths, evaluate
+from bastion.simulate import lookup_lengths, simulate_tau
 from tiny import tiny_drafter, tiny_target
 
 
@@ -52,7 +53,7 @@ def test_teacher_forced_chain_equals_the_engines_chain_rounds():
 
 def test_datastore_lengths_count_matching_proposed_tokens():
     from bastion.datastore import Datastore
-    from bastion.heldout import datastore_lengths
+    from bastion.simulate import datastore_lengths
 
     rec = {"ids": [9, 9, 1, 2, 3, 4, 8], "prompt_len": 3}
     ds = Datastore.from_sequences([[0, 1, 2, 3, 4, 5]] * 2, 10, ngrams=(1,))  # twice: the walk needs agreement
@@ -205,7 +206,8 @@ def test_teacher_forced_trees_equal_the_engines_fixed_rounds():
     off: the tree is ranked by the drafter's raw q) drafting N depths, i.e. blocks of N + 1; with a
     datastore that knows the reply, the per-parent re-weighting (cond:N) holds more of it."""
     from bastion.datastore import Datastore, NgramPrior
-    from bastion.heldout import scan, tree_lengths
+    from bastion.heldout import scan
+    from bastion.simulate import tree_lengths
 
     target = tiny_target("llama", vocab=13, dtype=torch.float64)  # a small vocabulary: random trees hit
     drafter = tiny_drafter(target, block_size=6)
