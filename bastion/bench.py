@@ -209,6 +209,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
+    # the row counts whose exact 4/8-bit products the probe sent down the 512-bit path (None: no choice)
+    machine["wide_rows"] = None if engine.wide_rows is None else [r + 1 for r in range(16) if engine.wide_rows >> r & 1]
     machine["linear"] = linear_mode(engine.target.model)
     if engine.drafter is not None and isinstance(engine.drafter, torch.nn.Module):
         machine["drafter_linear"] = linear_mode(engine.drafter)

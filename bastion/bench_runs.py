@@ -13,7 +13,7 @@ import torch
 from transformers.generation import BaseStreamer
 
 from .engine import Engine, GenerationConfig
-from .kernels.cpu_linear import SkinnyLinear
+from .kernels.cpu_linear import SkinnyLinear, exact_products
 from .report import Run
 
 
@@ -115,8 +115,7 @@ def linear_mode(model: torch.nn.Module) -> str:
             return f"native-bf16: packed few-row kernel, {how} (kernels.cpu_native)"
         if not any(m.native and m.compress for m in layers):
             return "native-f32: packed few-row kernel, float32 panels (kernels.cpu_native)"
-        exact = sum(m.native and m.compress and m.__dict__.get("_panels", (None, None))[1] is not None
-                    and m._panels[1].dtype in (torch.uint8, torch.int8) for m in layers)
+        exact = exact_products(model)
         return (f"native: packed few-row kernel, {exact} of {len(layers)} matrices in exact 4/8-bit panels "
                 "(kernels.cpu_native)")
     why = cpu_native.unavailable_reason()

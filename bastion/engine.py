@@ -26,7 +26,7 @@ from .hardware import ModelSpec, hardware_for
 from .latency import LatencyModel, RowPadding
 from .loading import freeze_heap
 from .lookup import CopySources, LookupStats
-from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency
+from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency, tune_wide_rows
 from .records import GenerationResult, StageTimes, Step
 from .round_state import Draft, Plan, Request
 from .target import Target
@@ -67,6 +67,7 @@ class Engine:
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
         self.lookup_stats: dict[tuple, LookupStats] = {}
         self.padding: RowPadding | None = None  # measured by probe_latency
+        self.wide_rows: int | None = None  # the row counts whose exact products run 512 bits wide (probe.tune_wide_rows)
         # on a CPU, fewer threads while another process holds a core (bastion.threads); kept across
         # requests — contention outlives them — and made at the first request, from torch's count then
         self.adapt_threads = adapt_threads and target.device.type == "cpu"
@@ -152,7 +153,9 @@ class Engine:
     def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES,
                       context: int = PROBE_CONTEXT, repeats: int = PROBE_REPEATS) -> None:
         """Measure the target's row costs (:func:`probe.probe_latency`): the row-padding table this
-        engine verifies with, and anchors of C(n) fed to its latency model."""
+        engine verifies with, and anchors of C(n) fed to its latency model — after choosing, per row
+        count, the faster of the native products' two equivalent paths (:func:`probe.tune_wide_rows`)."""
+        self.wide_rows = tune_wide_rows(self.target, self.kernels, self.timer, max_rows, context)
         self.padding = probe_latency(self.target, self.kernels, self.timer, self.latency, max_rows, sizes,
                                      context, repeats)
 

@@ -118,7 +118,7 @@ def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call
          block: int | None = None) -> tuple[list[int], list[list[bool]], list[tuple[list, list]]]:
     """:func:`chain_lengths`' lengths and hits, and with ``k`` > 0 also, per anchor, the drafter's
     top-k log q of each depth 1..B'−1 and their token ids ([B'−1][k] lists each, as the engine's
-    ``expansion.topk_tensors`` gives them) for :func:`tree_lengths` — one drafter pass for both."""
+    ``expansion.topk_tensors`` gives them) for ``simulate.tree_lengths`` — one drafter pass for both."""
     from .distill import block_mask  # the training-time packing of several blocks into one row
     from .expansion import topk_tensors
 
@@ -194,7 +194,7 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`.
 
     ``trees``: also τ of decoders whose rounds verify the drafter's best-first tree of N nodes
-    (:func:`tree_lengths`), as ``fixed:N``, and with a datastore ``cond:N`` with each node's children
+    (``simulate.tree_lengths``), as ``fixed:N``, and with a datastore ``cond:N`` with each node's children
     re-weighted by its n-grams (Bastion's drafter nodes at that size, without copy branches).
 
     ``by_confidence``: also the drafter's depth-1 accuracy per bin of the target's own confidence in

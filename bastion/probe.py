@@ -41,6 +41,54 @@ class Timer:
             setattr(times, stage, getattr(times, stage) + time.perf_counter() - t0)
 
 
+def _time_forward(target: Target, kernels, timer: Timer, s: int, context: int) -> float:
+    """Seconds of one verification of an s-node chain after ``context`` cached tokens (cache kept)."""
+    mask, pos = kernels.tree_mask(list(range(-1, s - 1)), context, target.dtype, target.device)
+    t = StageTimes()
+    with timer(t, "verify"):
+        target.forward_tree(torch.arange(s, device=target.device) % target.vocab_size, mask, pos)
+    target.commit(context, [])
+    return t.verify
+
+
+def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_ROWS,
+                   context: int = PROBE_CONTEXT, repeats: int = 2) -> int | None:
+    """Pick, per row count 1..16, the faster of the native kernel's two equivalent paths for exact
+    4/8-bit products (512-bit or 256-bit registers, :func:`cpu_native.set_wide_rows`), by timing
+    whole verifications both ways (a warm-up pass, then ``repeats`` passes, the two ways alternated;
+    each way's median). Which is faster depends on the CPU, not on the model: on the 2-core Xeon the
+    512-bit path tied at 1–6 rows and won by ~30% at 7–16; on a 2-core Zen 4, which splits a 512-bit
+    operation in two, the 256-bit path won by 5–13% at 1–7 rows and lost by 5–14% at 8–16
+    (session 36) — the trees Bastion verifies there. Both give the same bits, so this changes speed
+    only. Returns the mask set, or None (nothing to choose: no 512-bit path, not a CPU target, or no
+    exact panels). Leaves the cache empty."""
+    from .kernels import cpu_linear, cpu_native
+
+    if target.device.type != "cpu" or cpu_native.wide_rows() is None:
+        return None
+    full, sizes = 0xFFFF, list(range(1, min(max_rows, 16, target.max_positions - context - 1) + 1))
+    target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
+    if not sizes or not cpu_linear.exact_products(target.model):
+        target.reset()
+        return None
+    times: dict[tuple[int, int], list[float]] = {}
+    for rep in range(repeats + 1):
+        for s in sizes:
+            for wide in ((1, 0) if (rep + s) % 2 else (0, 1)):
+                cpu_native.set_wide_rows(full if wide else full & ~(1 << (s - 1)))
+                dt = _time_forward(target, kernels, timer, s, context)
+                if rep > 0:
+                    times.setdefault((s, wide), []).append(dt)
+    target.reset()
+    mask = 0
+    for s in sizes:
+        if statistics.median(times[(s, 1)]) <= statistics.median(times[(s, 0)]):
+            mask |= 1 << (s - 1)
+    mask |= full & ~((1 << len(sizes)) - 1)  # row counts not timed keep the 512-bit path
+    cpu_native.set_wide_rows(mask)
+    return mask
+
+
 def probe_latency(target: Target, kernels, timer: Timer, latency: LatencyModel, max_rows: int = PROBE_ROWS,
                   sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT,
                   repeats: int = PROBE_REPEATS) -> RowPadding:
@@ -69,16 +117,10 @@ def probe_latency(target: Target, kernels, timer: Timer, latency: LatencyModel, 
     times: dict[int, list[float]] = {s: [] for s in every}
     for rep in range(repeats + 1):
         shift = (rep * 7) % len(every)
-        for s in every[shift:] + every[:shift]:
-            parents = list(range(-1, s - 1))  # a chain: the mask's shape does not change the cost
-            mask, pos = kernels.tree_mask(parents, context, target.dtype, target.device)
-            tokens = torch.arange(s, device=target.device) % target.vocab_size
-            t = StageTimes()
-            with timer(t, "verify"):
-                target.forward_tree(tokens, mask, pos)
-            target.commit(context, [])
+        for s in every[shift:] + every[:shift]:  # chains: the mask's shape does not change the cost
+            dt = _time_forward(target, kernels, timer, s, context)
             if rep > 0:
-                times[s].append(t.verify)
+                times[s].append(dt)
     target.reset()
     best = {s: statistics.median(v) for s, v in times.items()}
     padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])

@@ -178,3 +178,27 @@ def test_every_instruction_set_path_gives_the_float32_products_bits(variant, kin
                 assert torch.equal(got, want), (n, k, rows, threads)
             # and the float32 product is the float32 product (FMA or not: within rounding)
             torch.testing.assert_close(want, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_512_bit_and_256_bit_paths_give_the_same_bits_at_every_row_count(kind):
+    """cpu_native.set_wide_rows only moves speed: every row count's exact product is bit for bit the
+    same down either path (probe.tune_wide_rows picks the faster per row count), and the mask reads
+    back as set."""
+    if cpu_native.wide_rows() is None:
+        pytest.skip("no 512-bit path on this CPU")
+    before = cpu_native.wide_rows()
+    n, k = 200, 576
+    panels = cpu_native.pack_exact(gguf_weight(n, k, kind, seed=7))
+    assert panels is not None and panels.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
+    b = torch.randn(n)
+    try:
+        for rows in range(1, 17):
+            x = torch.randn(rows, k)
+            cpu_native.set_wide_rows(0xFFFF)
+            wide = cpu_native.linear(x, panels, n, b)
+            cpu_native.set_wide_rows(0xFFFF & ~(1 << (rows - 1)))
+            assert cpu_native.wide_rows() == 0xFFFF & ~(1 << (rows - 1))
+            assert torch.equal(cpu_native.linear(x, panels, n, b), wide), rows
+    finally:
+        cpu_native.set_wide_rows(before)

@@ -50,3 +50,21 @@ def test_tree_logits_on_the_embedded_target_equal_one_token_decoding(engine):
     pairs = path_logits_in_tree_and_alone(target, ctx, [504, 3158, 2909, 30], [77, 99, 111])
     for depth, (in_tree, alone) in enumerate(pairs):
         assert torch.equal(in_tree, alone), depth
+
+
+def test_the_probe_first_picks_a_product_path_per_row_count(engine):
+    """Engine.probe_latency times each row count's exact 4/8-bit products down both native paths
+    (probe.tune_wide_rows) and leaves the faster one set; a target without exact panels (a tiny
+    float64 one) has nothing to choose and leaves the mask alone."""
+    from bastion.kernels import cpu_native
+    from bastion.probe import tune_wide_rows
+    from tiny import tiny_target
+
+    if cpu_native.wide_rows() is None:
+        pytest.skip("no 512-bit path on this CPU")
+    cpu_native.set_wide_rows(0x1234)
+    tiny = tiny_target("llama", dtype=torch.float64)
+    assert tune_wide_rows(tiny, engine.kernels, engine.timer) is None and cpu_native.wide_rows() == 0x1234
+    engine.probe_latency()
+    assert engine.wide_rows is not None and cpu_native.wide_rows() == engine.wide_rows
+    assert engine.padding is not None and len(engine.padding.to_dict()["seconds"]) == 16

@@ -94,6 +94,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("bastion_gemm_q4", "bastion_gemm_q8"):
         getattr(lib, name).argtypes = [V, I64, V, I64, I64, V, V, I]
         getattr(lib, name).restype = None
+    lib.bastion_wide_rows.argtypes = [I, I64]
+    lib.bastion_wide_rows.restype = I
     for name in ("bastion_pack_q4", "bastion_pack_q8"):
         getattr(lib, name).argtypes = [V, I64, I64, V, I]
         getattr(lib, name).restype = I64

@@ -725,8 +725,22 @@ static __attribute__((noinline)) void NAME(const float *x, int64_t R, const WT *
 }
 DEFINE_ZGEMM(zgemm_q4, uint8_t, zfused_q4)
 DEFINE_ZGEMM(zgemm_q8, int8_t, zfused_q8)
-#define ZGEMM_Q4(x, R, wp, N, K, b, y, t) ((R) <= ZR ? (zgemm_q4(x, R, wp, N, K, b, y, t), 1) : 0)
-#define ZGEMM_Q8(x, R, wp, N, K, b, y, t) ((R) <= ZR ? (zgemm_q8(x, R, wp, N, K, b, y, t), 1) : 0)
+/* Which row counts take the 512-bit path: bit r-1 of zrows[0] (Q4) / zrows[1] (Q8) for r rows, all
+ * by default. Both paths return the same bits, so the choice is speed alone, and it differs between
+ * CPUs: on the 2-core Xeon (true 512-bit units) 1-6 rows tied and 7-16 ran ~30% faster, on a Zen 4
+ * (512-bit ops as two 256-bit halves) the 256-bit path's 4-6 rows were 13-20% faster and 9-16 rows
+ * slower (session 36). cpu_native.tune_wide_rows measures it and sets these. */
+static uint32_t zrows[2] = {0xffffu, 0xffffu};
+#define ZGEMM_Q4(x, R, wp, N, K, b, y, t) \
+    ((R) <= ZR && (zrows[0] >> ((R) - 1) & 1) ? (zgemm_q4(x, R, wp, N, K, b, y, t), 1) : 0)
+#define ZGEMM_Q8(x, R, wp, N, K, b, y, t) \
+    ((R) <= ZR && (zrows[1] >> ((R) - 1) & 1) ? (zgemm_q8(x, R, wp, N, K, b, y, t), 1) : 0)
+int bastion_wide_rows(int which, int64_t mask) {
+    if (which < 0 || which > 1) return -1;
+    uint32_t old = zrows[which];
+    if (mask >= 0) zrows[which] = (uint32_t)mask & 0xffffu;
+    return (int)old;
+}
 #else
 #define ZGEMM_Q4(x, R, wp, N, K, b, y, t) 0
 #define ZGEMM_Q8(x, R, wp, N, K, b, y, t) 0
@@ -738,6 +752,9 @@ DEFINE_ZGEMM(zgemm_q8, int8_t, zfused_q8)
 #define ROW_Q8(x, R, wp, p, K, b, y, N) 0
 #endif
 #pragma GCC pop_options
+#ifndef ZR
+int bastion_wide_rows(int which, int64_t mask) { (void)which; (void)mask; return -1; } /* no 512-bit path */
+#endif
 
 DEFINE_CHUNKED(chunked_q4, uint8_t, Q4_BYTES, decode_q4)
 DEFINE_CHUNKED(chunked_q8, int8_t, Q8_BYTES, decode_q8)

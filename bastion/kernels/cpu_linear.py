@@ -156,6 +156,13 @@ class SkinnyLinear(nn.Linear):
 _mode_changes = 0  # how many use_skinny_linear calls changed something (see mode_changes)
 
 
+def exact_products(module: nn.Module) -> int:
+    """How many of ``module``'s native linear layers hold exact 4/8-bit panels now (packed ones only:
+    panels are made on a layer's first product or by :func:`prepack`)."""
+    return sum(m.native and m.compress and m.__dict__.get("_panels", (None, None))[1] is not None
+               and m._panels[1].dtype in (torch.uint8, torch.int8) for m in _native_layers(module))
+
+
 def mode_changes() -> int:
     """A counter that :func:`use_skinny_linear` advances whenever it changes a module's mode: callers
     that cache a decision about modes (``target_lean.lean_plan``) compare it instead of re-reading
