@@ -42,6 +42,7 @@ from tqdm import tqdm
 from .drafter_io import precheck_local_drafter
 from .engine import Engine, GenerationConfig
 from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf
+from .kernels import cpu_native
 from .kernels.cpu_linear import MODES, use_skinny_linear
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
@@ -209,8 +210,10 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
-    # the row counts whose exact 4/8-bit products the probe sent down the 512-bit path (None: no choice)
-    machine["wide_rows"] = None if engine.wide_rows is None else [r + 1 for r in range(16) if engine.wide_rows >> r & 1]
+    # the row counts whose exact 4/8-bit products ran on the 512-bit path, as the last probe left them
+    # (the mask is the kernel library's, shared by engine and engine_b; None: nothing was chosen)
+    wide = cpu_native.wide_rows() if engine.wide_rows is not None else None
+    machine["wide_rows"] = None if wide is None else [r + 1 for r in range(16) if wide >> r & 1]
     machine["linear"] = linear_mode(engine.target.model)
     if engine.drafter is not None and isinstance(engine.drafter, torch.nn.Module):
         machine["drafter_linear"] = linear_mode(engine.drafter)

@@ -66,9 +66,10 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
 
     if target.device.type != "cpu" or cpu_native.wide_rows() is None:
         return None
-    full, sizes = 0xFFFF, list(range(1, min(max_rows, 16, target.max_positions - context - 1) + 1))
+    full, sizes = 0xFFFF, list(range(1, max(1, min(max_rows, 16, target.max_positions - 2)) + 1))
+    context = max(1, min(context, target.max_positions - sizes[-1] - 1))  # as probe_latency's
     target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
-    if not sizes or not cpu_linear.exact_products(target.model):
+    if not cpu_linear.exact_products(target.model):  # panels exist once a forward has run
         target.reset()
         return None
     times: dict[tuple[int, int], list[float]] = {}

@@ -728,8 +728,9 @@ DEFINE_ZGEMM(zgemm_q8, int8_t, zfused_q8)
 /* Which row counts take the 512-bit path: bit r-1 of zrows[0] (Q4) / zrows[1] (Q8) for r rows, all
  * by default. Both paths return the same bits, so the choice is speed alone, and it differs between
  * CPUs: on the 2-core Xeon (true 512-bit units) 1-6 rows tied and 7-16 ran ~30% faster, on a Zen 4
- * (512-bit ops as two 256-bit halves) the 256-bit path's 4-6 rows were 13-20% faster and 9-16 rows
- * slower (session 36). cpu_native.tune_wide_rows measures it and sets these. */
+ * (512-bit ops as two 256-bit halves) whole verifications of 1-7 rows ran 5-13% faster on the 256-bit
+ * path and 8-16 rows 5-14% slower (session 36). probe.tune_wide_rows times both and sets these
+ * (cpu_native.set_wide_rows). */
 static uint32_t zrows[2] = {0xffffu, 0xffffu};
 #define ZGEMM_Q4(x, R, wp, N, K, b, y, t) \
     ((R) <= ZR && (zrows[0] >> ((R) - 1) & 1) ? (zgemm_q4(x, R, wp, N, K, b, y, t), 1) : 0)
