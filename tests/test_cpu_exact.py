@@ -158,6 +158,7 @@ def test_every_instruction_set_path_gives_the_float32_products_bits(variant, kin
     """Compressed products equal the same build's float32 panel products bit for bit, at every row
     count whose path differs (the float32 kernel sums each output in the same order everywhere; FMA
     or not is the build's choice, the same for both)."""
+    assert variant.bastion_wide_rows(0, -1) == -1  # no 512-bit path to choose in these builds
     pack_q, gemm_q, nbytes, dtype = ((variant.bastion_pack_q4, variant.bastion_gemm_q4, 384, torch.uint8)
                                      if kind == "q4_1" else
                                      (variant.bastion_pack_q8, variant.bastion_gemm_q8, 576, torch.int8))
