@@ -237,6 +237,7 @@ def test_teacher_forced_trees_equal_the_engines_fixed_rounds():
 
 
 def test_bad_tree_sizes_are_refused_before_the_target_loads(capsys):
+    """heldout --trees: a size that is not a number, or outside 1–64, stops the command with the reason."""
     from bastion.heldout import main
 
     for arg, msg in [("4,x", "comma-separated sizes"), ("0", "must be in [1, 64]"), ("65", "must be in [1, 64]")]:
