@@ -68,3 +68,5 @@ def test_the_probe_first_picks_a_product_path_per_row_count(engine):
     engine.probe_latency()
     assert engine.wide_rows is not None and cpu_native.wide_rows() == engine.wide_rows
     assert engine.padding is not None and len(engine.padding.to_dict()["seconds"]) == 16
+    cpu_native.set_wide_rows(0)  # an engine sharing the target takes the same choice, not a new timing
+    assert tune_wide_rows(engine.target, engine.kernels, engine.timer) == engine.wide_rows == cpu_native.wide_rows()
