@@ -52,12 +52,13 @@ def _time_forward(target: Target, kernels, timer: Timer, s: int, context: int) -
 
 
 def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_ROWS,
-                   context: int = PROBE_CONTEXT, repeats: int = 2) -> int | None:
+                   context: int = PROBE_CONTEXT, repeats: int = 3) -> int | None:
     """Pick, per row count 1..16, the faster of the native kernel's two equivalent paths for exact
     4/8-bit products (512-bit or 256-bit registers, :func:`cpu_native.set_wide_rows`), by timing
     whole verifications both ways (a warm-up pass, then ``repeats`` passes, the two ways alternated;
-    each way's median). Which is faster depends on the CPU, not on the model: on the 2-core Xeon the
-    512-bit path tied at 1–6 rows and won by ~30% at 7–16; on a 2-core Zen 4, which splits a 512-bit
+    each way's median; with two passes a noisy host flipped a row count of 1–7 in 3 of 4 tunes, with
+    three in none of 5 — session 36). Which is faster depends on the CPU, not on the model: on the
+    2-core Xeon the 512-bit path tied at 1–6 rows and won by ~30% at 7–16; on a 2-core Zen 4, which splits a 512-bit
     operation in two, the 256-bit path won by 5–13% at 1–7 rows and lost by 5–14% at 8–16
     (session 36) — the trees Bastion verifies there. Both give the same bits, so this changes speed
     only. Returns the mask set, or None (nothing to choose: no 512-bit path, not a CPU target, or no
