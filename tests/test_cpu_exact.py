@@ -19,13 +19,13 @@ def built():
         pytest.skip(f"native kernel unavailable: {cpu_native.unavailable_reason()}")
 
 
-def gguf_weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
+def gguf_weight(n: int, k: int, kind: str, seed: int = 0, scale: float = 0.05) -> torch.Tensor:
     """A float32 weight as the embedded model's were made: quantised by gguf's reference code (the
     llama.cpp algorithm, in numpy) and dequantised by it, as transformers' GGUF loader does."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[kind]
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * np.float32(scale)
     return torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype).astype(np.float32))
 
 
@@ -48,13 +48,22 @@ def test_exact_panels_give_the_float32_products_bits(kind, dtype, n, k, rows, wi
     assert torch.equal(cpu_native.Product(packed, n, b)(x, torch.get_num_threads()), want)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_exact_panels_decode_every_weight_and_rows_stand_alone(kind):
+# 1e-6: Q4 scales below 2^-14, subnormal as half floats; 300: large ones. The kernels decode Q4 as one
+# FMA, fl(d·q + m), which equals gguf's fl(fl(d·q) + m) only because every half-float d times a code
+# < 16 is exact in float32: these scales are where that could fail first.
+@pytest.mark.parametrize("kind,scale", [("q4_1", 0.05), ("q8_0", 0.05), ("q4_1", 1e-6), ("q4_1", 300.0),
+                                        ("q8_0", 300.0)])
+def test_exact_panels_decode_every_weight_and_rows_stand_alone(kind, scale):
     """x = I reads every decoded weight back (each output is one product 1·w plus zeros); a row's
     result does not depend on its neighbours (one row decodes in registers, several through scratch)."""
     n, k = 70, 128
-    w = gguf_weight(n, k, kind)
+    w = gguf_weight(n, k, kind, scale=scale)
     packed = cpu_native.pack_exact(w)
+    assert packed is not None
+    for rows in (1, 3, 9):  # x = I in row blocks: the fused, half-panel and 512-bit decodings
+        for i in range(0, k, rows):
+            eye = torch.eye(k)[i:i + rows]
+            assert torch.equal(cpu_native.linear(eye, packed, n), w[:, i:i + rows].t())
     assert torch.equal(cpu_native.linear(torch.eye(k), packed, n).t(), w)
     x = torch.randn(9, k)
     together = cpu_native.linear(x, packed, n)
