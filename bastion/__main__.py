@@ -122,8 +122,9 @@ def run_generate(a) -> int:
     steps = []
     for step in engine.generate(ids, cfg):
         steps.append(step)
-        if not a.json:
-            print("".join(step.token_texts), end="", flush=True)
+        if not a.json:  # the reply as it grows; a stop token ends it unprinted (as in --json's text)
+            texts = step.token_texts[:-1] if step.finish_reason == "stop token" else step.token_texts
+            print("".join(texts), end="", flush=True)
     result = engine.summarize(steps, len(ids))
     if a.trace is not None:
         _write_trace(a.trace, steps)

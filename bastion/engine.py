@@ -30,6 +30,7 @@ from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer,
 from .records import GenerationResult, StageTimes, Step
 from .round_state import Draft, Plan, Request
 from .target import Target
+from .textstream import TextStream
 from .threads import ThreadGovernor
 from .tree import DraftTree
 from .verify import Acceptance, accept
@@ -107,9 +108,10 @@ class Engine:
         """n ↦ predicted verify seconds of an n-node tree at this context, padding included."""
         return lambda n: self.latency.predict(self.rows(cfg, n), context)
 
-    def _decode(self, ids: list[int]) -> list[str]:
-        tok = self.target.tokenizer
-        return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
+    def _texts(self, req: Request, ids: list[int], final: bool) -> list[str]:
+        """The text each new token adds (``TextStream``: a character spread over several tokens
+        arrives whole with its last one), or the ids themselves without a tokenizer."""
+        return req.text.pieces(ids, final) if req.text is not None else [str(i) for i in ids]
 
     def _rule(self, cfg: GenerationConfig) -> BudgetRule:
         adaptive = cfg.strategy == "bastion"
@@ -258,7 +260,8 @@ class Engine:
                         committed=len(prompt_ids), dcache=dcache, vocab=vocab, in_vocab=in_vocab,
                         calib=self.calibrator(cfg), copies=self.copy_sources(cfg, prompt_ids), gate=gate,
                         depth=self._draft_depth(cfg), noise=noise, governor=governor,
-                        prefill_s=time.perf_counter() - t_prefill)
+                        prefill_s=time.perf_counter() - t_prefill,
+                        text=TextStream(target.tokenizer.decode, prompt_ids) if target.tokenizer is not None else None)
 
     def _draft(self, req: Request, times: StageTimes) -> Draft:
         """One drafter forward over [root, MASK × D]: the top-k of each depth's marginal log q (D, k),
@@ -371,7 +374,7 @@ class Engine:
         lookup_tokens, lookup_rates = self._proposed(plan.proposals, "lookup")
         datastore_tokens, datastore_rates = self._proposed(plan.proposals, "datastore")
         return Step(req.index, req.cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
-                    self._decode(new), acc.bonus, tree.expected_tokens, predicted, times.verify,
+                    self._texts(req, new, bool(finish)), acc.bonus, tree.expected_tokens, predicted, times.verify,
                     exp.round_overhead, times, req.committed, req.generated, elapsed,
                     prefill_s=req.prefill_s, finished=bool(finish), finish_reason=finish,
                     draft_logq=[row[:TOPK_RECORDED] for row in topk[0]] if topk else [],

@@ -14,6 +14,7 @@ from .drafter import DrafterCache
 from .expansion import Expansion
 from .kernels.reference import GumbelRows
 from .lookup import CopySources
+from .textstream import TextStream
 from .threads import ThreadGovernor
 from .tree import DraftTree
 
@@ -39,6 +40,7 @@ class Request:
     prefill_s: float
     generated: int = 0
     index: int = 0
+    text: TextStream | None = None  # the new tokens' text pieces (None: no tokenizer, the ids as text)
 
 
 @dataclass

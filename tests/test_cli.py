@@ -74,6 +74,10 @@ def test_embedded_model_end_to_end(tmp_path):
     # the default drafts only the depths its trees reach (at least 8); --full-depth the whole block
     drafted = [len(x["draft_logq"]) for x in records if x.get("draft_logq")]
     assert drafted and drafted[0] == 15 and all(8 <= d <= 15 for d in drafted) and min(drafted) < 15
+    # plain output streams the reply's text and, at the stop token, ends without printing it
+    plain = cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--strategy", "ar")
+    assert plain.returncode == 0 and plain.stdout.strip() == ar["text"].strip(), (plain.stdout, ar["text"])
+    assert "<|im_end|>" not in plain.stdout
     full_trace = tmp_path / "full.jsonl"
     full = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--full-depth",
                           "--trace", str(full_trace)).stdout)
