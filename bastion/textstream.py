@@ -10,6 +10,7 @@ character waits, so that token's text is "" and the token that completes the cha
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable
 
 CONTEXT = 4  # prompt tokens kept as left context of the first piece
@@ -54,3 +55,33 @@ class TextStream:
         self._read -= self._prefix
         self._prefix = 0
         return piece
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): each byte is a printable character, itself where it is
+    printable Latin-1 and 256 + n for the n-th other byte, in byte order. Character → byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_ALPHABET: dict[str, int] | None = None
+
+
+def token_display(tokenizer, token: int) -> str:
+    """One token's text for a label: its decoding, or — for a token that is only part of a character,
+    which decodes to U+FFFD — its bytes, e.g. "⟨f0 9f⟩" (a byte-level token) or the tokenizer's own
+    name for it (SentencePiece byte tokens are named "<0xF0>")."""
+    global _ALPHABET
+    text = tokenizer.decode([token])
+    if INCOMPLETE not in text:
+        return text
+    name = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(name, str):
+        return text
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", name):  # SentencePiece's byte tokens name their byte
+        return name
+    _ALPHABET = _ALPHABET or _byte_level_alphabet()
+    if name and all(ch in _ALPHABET for ch in name):
+        return "⟨" + " ".join(f"{_ALPHABET[ch]:02x}" for ch in name) + "⟩"
+    return name

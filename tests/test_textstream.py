@@ -2,7 +2,7 @@
 
 import pytest
 
-from bastion.textstream import TextStream
+from bastion.textstream import TextStream, token_display
 
 SAMPLES = ["plain ASCII text.", "café, naïve, Ærø", "emoji 🌳🚀 in a row", "日本語のテキスト", "mixed: π ≈ 3.14 ✓ 👍🏽 end"]
 
@@ -61,4 +61,30 @@ def test_the_embedded_tokenizer_streams_emoji_and_cjk_whole():
         pieces = TextStream(tok.decode, tok.encode("Say it:", add_special_tokens=False)).pieces(ids, final=True)
         assert "".join(pieces) == tok.decode(ids) == text
         assert all("\ufffd" not in p for p in pieces)
-    assert "\ufffd" in "".join(tok.decode([i]) for i in tok.encode("🌳", add_special_tokens=False))
+    tree = tok.encode("🌳", add_special_tokens=False)
+    assert "\ufffd" in "".join(tok.decode([i]) for i in tree)
+    # a label for each part: its bytes, which together are the character's UTF-8
+    labels = [token_display(tok, i) for i in tree]
+    assert all(x.startswith("⟨") and x.endswith("⟩") for x in labels)
+    assert bytes.fromhex(" ".join(x[1:-1] for x in labels)) == "🌳".encode("utf-8")
+    assert token_display(tok, tok.encode(" hello", add_special_tokens=False)[0]) == " hello"
+
+
+class NamedTokens:
+    """A tokenizer stand-in: decode as the byte-level one above, token names from a table."""
+
+    def __init__(self, names: dict[int, str]):
+        self.names = names
+
+    def decode(self, ids):
+        return byte_decode(ids) if ids[0] < 256 else "word"
+
+    def convert_ids_to_tokens(self, i):
+        return self.names[i]
+
+
+def test_labels_of_partial_characters_show_their_bytes():
+    tok = NamedTokens({0xF0: "ð", 0x41: "A", 300: "word", 0x9F: "<0x9F>"})
+    assert token_display(tok, 0x41) == "A" and token_display(tok, 300) == "word"  # whole: the decoding
+    assert token_display(tok, 0xF0) == "⟨f0⟩"  # GPT-2's byte alphabet: "ð" is byte 0xF0
+    assert token_display(tok, 0x9F) == "<0x9F>"  # a name outside that alphabet (SentencePiece's) as it is
