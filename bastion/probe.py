@@ -62,17 +62,19 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
     operation in two, the 256-bit path won by 5–13% at 1–7 rows and lost by 5–14% at 8–16
     (session 36) — the trees Bastion verifies there. Both give the same bits, so this changes speed
     only. Returns the mask set, or None (nothing to choose: no 512-bit path, not a CPU target, or no
-    exact panels). Measured once per target: engines that share one (the benchmark's ``engine_b``, the
-    app's engine remade for another drafter) set its mask again instead of re-timing, so every engine's
-    row costs are the same path's. Leaves the cache empty."""
+    exact panels). Measured once per target for the row counts 1..``max_rows``: engines that share one
+    (the benchmark's ``engine_b``, the app's engine remade for another drafter) set its mask again
+    instead of re-timing, so every engine's row costs are the same path's; a call for more row counts
+    than were timed (an AR engine times one, ``Engine.prepare``; a probe all 16) times them all.
+    Leaves the cache empty."""
     from .kernels import cpu_linear, cpu_native
 
     if target.device.type != "cpu" or cpu_native.wide_rows() is None:
         return None
-    if target.wide_rows is not None:
+    full, sizes = 0xFFFF, list(range(1, max(1, min(max_rows, 16, target.max_positions - 2)) + 1))
+    if target.wide_rows is not None and target.wide_rows_timed >= len(sizes):
         cpu_native.set_wide_rows(target.wide_rows)
         return target.wide_rows
-    full, sizes = 0xFFFF, list(range(1, max(1, min(max_rows, 16, target.max_positions - 2)) + 1))
     context = max(1, min(context, target.max_positions - sizes[-1] - 1))  # as probe_latency's
     target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
     if not cpu_linear.exact_products(target.model):  # panels exist once a forward has run
@@ -93,7 +95,7 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
             mask |= 1 << (s - 1)
     mask |= full & ~((1 << len(sizes)) - 1)  # row counts not timed keep the 512-bit path
     cpu_native.set_wide_rows(mask)
-    target.wide_rows = mask
+    target.wide_rows, target.wide_rows_timed = mask, len(sizes)
     return mask
 
 

@@ -70,3 +70,12 @@ def test_the_probe_first_picks_a_product_path_per_row_count(engine):
     assert engine.padding is not None and len(engine.padding.to_dict()["seconds"]) == 16
     cpu_native.set_wide_rows(0)  # an engine sharing the target takes the same choice, not a new timing
     assert tune_wide_rows(engine.target, engine.kernels, engine.timer) == engine.wide_rows == cpu_native.wide_rows()
+    # an AR engine on a target nobody has timed chooses the one-row path only; a probe then times all 16
+    full = engine.wide_rows
+    engine.target.wide_rows, engine.target.wide_rows_timed = None, 0
+    ar = Engine(engine.target, None, kernels="torch")
+    ar.prepare(GenerationConfig(strategy="ar", max_new_tokens=4))
+    assert ar.wide_rows is not None and engine.target.wide_rows_timed == 1
+    assert ar.wide_rows & 0xFFFE == 0xFFFE and cpu_native.wide_rows() == ar.wide_rows
+    engine.probe_latency()
+    assert engine.target.wide_rows_timed == 16 and engine.wide_rows is not None and full is not None
