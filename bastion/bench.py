@@ -212,8 +212,9 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
     # the row counts whose exact 4/8-bit products ran on the 512-bit path, as the last probe left them
     # (the mask is the kernel library's, shared by engine and engine_b; None: nothing was chosen)
-    wide = cpu_native.wide_rows() if engine.wide_rows is not None else None
-    machine["wide_rows"] = None if wide is None else [r + 1 for r in range(16) if wide >> r & 1]
+    for key, q8 in (("wide_rows", False), ("wide_rows_q8", True)):
+        wide = cpu_native.wide_rows(q8) if engine.wide_rows is not None else None
+        machine[key] = None if wide is None else [r + 1 for r in range(16) if wide >> r & 1]
     machine["linear"] = linear_mode(engine.target.model)
     if engine.drafter is not None and isinstance(engine.drafter, torch.nn.Module):
         machine["drafter_linear"] = linear_mode(engine.drafter)

@@ -73,7 +73,7 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
         return None
     full, sizes = 0xFFFF, list(range(1, max(1, min(max_rows, 16, target.max_positions - 2)) + 1))
     if target.wide_rows is not None and target.wide_rows_timed >= len(sizes):
-        cpu_native.set_wide_rows(target.wide_rows)
+        cpu_native.set_wide_rows(target.wide_rows, target.wide_rows_q8)
         return target.wide_rows
     context = max(1, min(context, target.max_positions - sizes[-1] - 1))  # as probe_latency's
     target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
@@ -94,9 +94,40 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
         if statistics.median(times[(s, 1)]) <= statistics.median(times[(s, 0)]):
             mask |= 1 << (s - 1)
     mask |= full & ~((1 << len(sizes)) - 1)  # row counts not timed keep the 512-bit path
-    cpu_native.set_wide_rows(mask)
-    target.wide_rows, target.wide_rows_timed = mask, len(sizes)
+    q8 = _tune_q8_rows(target, sizes, mask)
+    cpu_native.set_wide_rows(mask, q8)
+    target.wide_rows, target.wide_rows_q8, target.wide_rows_timed = mask, q8, len(sizes)
     return mask
+
+
+def _tune_q8_rows(target: Target, sizes: list[int], mask: int, repeats: int = 5) -> int:
+    """The 8-bit products' own mask, starting from ``mask``: a model's 8-bit matrices (the embedded
+    target's LM head, 49,152 × 576) favour the other path than its 4-bit ones at some row counts — on
+    the Zen 4 the head took 0.93 ms at one row on 512 bits against 1.17 on 256, while the 4-bit
+    matrices ran ~15% faster on 256 (session 37) — and a whole verification hides a 0.2 ms difference
+    in its noise. So these products are timed alone, each way per row count (``repeats`` passes after
+    a warm-up, the ways alternated, medians)."""
+    from .kernels import cpu_linear, cpu_native
+
+    heads = [cpu_native.Product(m.panels(), m.weight.shape[0]) for m in cpu_linear.exact_q8_layers(target.model)]
+    if not heads:
+        return mask
+    threads, g = torch.get_num_threads(), torch.Generator().manual_seed(0)  # not the global stream
+    q8 = mask
+    for s in sizes:
+        xs = [torch.randn(s, p.k, generator=g) for p in heads]
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for rep in range(repeats + 1):
+            for wide in ((1, 0) if (rep + s) % 2 else (0, 1)):
+                cpu_native.set_wide_rows(mask, q8 | (1 << (s - 1)) if wide else q8 & ~(1 << (s - 1)))
+                t0 = time.perf_counter()
+                for p, x in zip(heads, xs):
+                    p(x, threads)
+                if rep > 0:
+                    times[wide].append(time.perf_counter() - t0)
+        bit = statistics.median(times[1]) <= statistics.median(times[0])
+        q8 = q8 | (1 << (s - 1)) if bit else q8 & ~(1 << (s - 1))
+    return q8
 
 
 def probe_latency(target: Target, kernels, timer: Timer, latency: LatencyModel, max_rows: int = PROBE_ROWS,

@@ -194,10 +194,11 @@ def test_every_instruction_set_path_gives_the_float32_products_bits(variant, kin
 def test_the_512_bit_and_256_bit_paths_give_the_same_bits_at_every_row_count(kind):
     """cpu_native.set_wide_rows only moves speed: every row count's exact product is bit for bit the
     same down either path (probe.tune_wide_rows picks the faster per row count), and the mask reads
-    back as set."""
+    back as set — the 4-bit and the 8-bit products' masks each on its own."""
     if cpu_native.wide_rows() is None:
         pytest.skip("no 512-bit path on this CPU")
-    before = cpu_native.wide_rows()
+    before = cpu_native.wide_rows(), cpu_native.wide_rows(q8=True)
+    q8 = kind == "q8_0"
     n, k = 200, 576
     panels = cpu_native.pack_exact(gguf_weight(n, k, kind, seed=7))
     assert panels is not None and panels.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
@@ -207,8 +208,9 @@ def test_the_512_bit_and_256_bit_paths_give_the_same_bits_at_every_row_count(kin
             x = torch.randn(rows, k)
             cpu_native.set_wide_rows(0xFFFF)
             wide = cpu_native.linear(x, panels, n, b)
-            cpu_native.set_wide_rows(0xFFFF & ~(1 << (rows - 1)))
-            assert cpu_native.wide_rows() == 0xFFFF & ~(1 << (rows - 1))
+            narrow = 0xFFFF & ~(1 << (rows - 1))  # this row count on 256 bits, for this format only
+            cpu_native.set_wide_rows(0xFFFF if q8 else narrow, narrow if q8 else 0xFFFF)
+            assert cpu_native.wide_rows(q8) == narrow and cpu_native.wide_rows(not q8) == 0xFFFF
             assert torch.equal(cpu_native.linear(x, panels, n, b), wide), rows
     finally:
-        cpu_native.set_wide_rows(before)
+        cpu_native.set_wide_rows(*before)

@@ -67,9 +67,12 @@ def test_the_probe_first_picks_a_product_path_per_row_count(engine):
     assert tune_wide_rows(tiny, engine.kernels, engine.timer) is None and cpu_native.wide_rows() == 0x1234
     engine.probe_latency()
     assert engine.wide_rows is not None and cpu_native.wide_rows() == engine.wide_rows
+    # the LM head's 8-bit products are timed alone for their own mask, set beside the 4-bit one
+    assert engine.target.wide_rows_q8 is not None and cpu_native.wide_rows(q8=True) == engine.target.wide_rows_q8
     assert engine.padding is not None and len(engine.padding.to_dict()["seconds"]) == 16
     cpu_native.set_wide_rows(0)  # an engine sharing the target takes the same choice, not a new timing
     assert tune_wide_rows(engine.target, engine.kernels, engine.timer) == engine.wide_rows == cpu_native.wide_rows()
+    assert cpu_native.wide_rows(q8=True) == engine.target.wide_rows_q8
     # an AR engine on a target nobody has timed chooses the one-row path only; a probe then times all 16
     full = engine.wide_rows
     engine.target.wide_rows, engine.target.wide_rows_timed = None, 0

@@ -163,6 +163,12 @@ def exact_products(module: nn.Module) -> int:
                and m._panels[1].dtype in (torch.uint8, torch.int8) for m in _native_layers(module))
 
 
+def exact_q8_layers(module: nn.Module) -> list[SkinnyLinear]:
+    """``module``'s native linear layers whose panels are exact 8-bit ones (packed ones only)."""
+    return [m for m in _native_layers(module) if m.native and m.compress
+            and m.__dict__.get("_panels", (None, None))[1] is not None and m._panels[1].dtype == torch.int8]
+
+
 def mode_changes() -> int:
     """A counter that :func:`use_skinny_linear` advances whenever it changes a module's mode: callers
     that cache a decision about modes (``target_lean.lean_plan``) compare it instead of re-reading

@@ -128,21 +128,23 @@ def available() -> bool:
     return library() is not None
 
 
-def wide_rows() -> int | None:
-    """Which row counts' exact 4/8-bit products take the 512-bit path: bit r−1 of the mask for r rows
-    (1–16; all by default), or None where the library has no such path (no AVX-512, no library)."""
+def wide_rows(q8: bool = False) -> int | None:
+    """Which row counts' exact 4-bit (``q8``: 8-bit) products take the 512-bit path: bit r−1 of the
+    mask for r rows (1–16; all by default), or None where the library has no such path (no AVX-512,
+    no library)."""
     lib = library()
-    mask = -1 if lib is None else lib.bastion_wide_rows(0, -1)
+    mask = -1 if lib is None else lib.bastion_wide_rows(int(q8), -1)
     return None if mask < 0 else mask
 
 
-def set_wide_rows(mask: int) -> None:
-    """Send r-row exact 4/8-bit products down the 512-bit path iff bit r−1 of ``mask`` is set, the
-    others down the 256-bit one. Both return the same bits (cpu_gemm.c), so this changes speed only;
-    ``probe.tune_wide_rows`` picks the mask by timing both. A no-op where :func:`wide_rows` is None."""
+def set_wide_rows(mask: int, q8_mask: int | None = None) -> None:
+    """Send r-row exact 4-bit products down the 512-bit path iff bit r−1 of ``mask`` is set, the
+    others down the 256-bit one; 8-bit products by ``q8_mask`` (default: ``mask``). Both paths return
+    the same bits (cpu_gemm.c), so this changes speed only; ``probe.tune_wide_rows`` picks the masks
+    by timing both. A no-op where :func:`wide_rows` is None."""
     if wide_rows() is not None:
-        for which in (0, 1):  # Q4 and Q8 panels alike
-            _lib.bastion_wide_rows(which, mask & 0xFFFF)
+        _lib.bastion_wide_rows(0, mask & 0xFFFF)
+        _lib.bastion_wide_rows(1, (mask if q8_mask is None else q8_mask) & 0xFFFF)
 
 
 def unavailable_reason() -> str:
