@@ -61,8 +61,9 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
     2-core Xeon the 512-bit path tied at 1–6 rows and won by ~30% at 7–16; on a 2-core Zen 4, which splits a 512-bit
     operation in two, the 256-bit path won by 5–13% at 1–7 rows and lost by 5–14% at 8–16
     (session 36) — the trees Bastion verifies there. Both give the same bits, so this changes speed
-    only. Returns the mask set, or None (nothing to choose: no 512-bit path, not a CPU target, or no
-    exact panels). Measured once per target for the row counts 1..``max_rows``: engines that share one
+    only. Returns the mask set for the 4-bit products, or None (nothing to choose: no 512-bit path,
+    not a CPU target, or no exact panels); the 8-bit ones then get their own (:func:`_tune_q8_rows`,
+    kept in ``target.wide_rows_q8``). Measured once per target for the row counts 1..``max_rows``: engines that share one
     (the benchmark's ``engine_b``, the app's engine remade for another drafter) set its mask again
     instead of re-timing, so every engine's row costs are the same path's; a call for more row counts
     than were timed (an AR engine times one, ``Engine.prepare``; a probe all 16) times them all.
