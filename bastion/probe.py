@@ -73,13 +73,15 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
     if target.device.type != "cpu" or cpu_native.wide_rows() is None:
         return None
     full, sizes = 0xFFFF, list(range(1, max(1, min(max_rows, 16, target.max_positions - 2)) + 1))
-    if target.wide_rows is not None and target.wide_rows_timed >= len(sizes):
-        cpu_native.set_wide_rows(target.wide_rows, target.wide_rows_q8)
+    if target.wide_rows_timed >= len(sizes):  # chosen before (None: nothing to choose on this target)
+        if target.wide_rows is not None:
+            cpu_native.set_wide_rows(target.wide_rows, target.wide_rows_q8)
         return target.wide_rows
     context = max(1, min(context, target.max_positions - sizes[-1] - 1))  # as probe_latency's
     target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
     if not cpu_linear.exact_products(target.model):  # panels exist once a forward has run
         target.reset()
+        target.wide_rows_timed = 16  # and an AR engine's every request must not prefill again to learn it
         return None
     times: dict[tuple[int, int], list[float]] = {}
     for rep in range(repeats + 1):

@@ -73,7 +73,8 @@ class Target:
         self.lean: bool | None = None
         self.wide_rows: int | None = None  # the product path per row count its probe chose (probe.tune_wide_rows)
         self.wide_rows_q8: int | None = None  # ... and for its 8-bit products (probe._tune_q8_rows)
-        self.wide_rows_timed = 0  # ... for the row counts 1..wide_rows_timed (the others: 512 bits)
+        self.wide_rows_timed = 0  # ... for the row counts 1..wide_rows_timed (the others: 512 bits; 16 and
+        # wide_rows None: this target has nothing to choose)
         self._plan: tuple | None = None  # the lean loop's products and what they were made from (target_lean.lean_plan)
         # the lean loop's layers as one native call where that computes the same (kernels/cpu_decoder.py);
         # set False to keep the loop in Python

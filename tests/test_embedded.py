@@ -65,6 +65,10 @@ def test_the_probe_first_picks_a_product_path_per_row_count(engine):
     cpu_native.set_wide_rows(0x1234)
     tiny = tiny_target("llama", dtype=torch.float64)
     assert tune_wide_rows(tiny, engine.kernels, engine.timer) is None and cpu_native.wide_rows() == 0x1234
+    calls = []  # ... and says so again without another forward (an AR engine asks before every request)
+    tiny.prefill, prefill = (lambda *a, **k: calls.append(1)), tiny.prefill
+    assert tune_wide_rows(tiny, engine.kernels, engine.timer, max_rows=1) is None and not calls
+    tiny.prefill = prefill
     engine.probe_latency()
     assert engine.wide_rows is not None and cpu_native.wide_rows() == engine.wide_rows
     # the LM head's 8-bit products are timed alone for their own mask, set beside the 4-bit one
