@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .config import STRATEGIES, GenerationConfig
@@ -119,6 +120,12 @@ def _write_trace(path: Path, steps: list) -> None:
 def run_generate(a) -> int:
     cfg = _checked_config(a)
     engine, ids = _engine_and_prompt(a, cfg)
+    if cfg.strategy != "ar" and cfg.pad_rows and engine.padding is None:  # the engine's one probe: say so
+        print("[bastion] timing this machine's verification costs (once per process, a few seconds)...",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        engine.prepare(cfg)
+        print(f"[bastion] timed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     steps = []
     for step in engine.generate(ids, cfg):
         steps.append(step)

@@ -78,6 +78,9 @@ def test_embedded_model_end_to_end(tmp_path):
     plain = cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--strategy", "ar")
     assert plain.returncode == 0 and plain.stdout.strip() == ar["text"].strip(), (plain.stdout, ar["text"])
     assert "<|im_end|>" not in plain.stdout
+    # the one probe of a drafting run is announced on stderr (seconds of silence otherwise); AR has none
+    assert "timing this machine's verification costs" in r.stderr
+    assert "timing this machine" not in plain.stderr
     full_trace = tmp_path / "full.jsonl"
     full = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--full-depth",
                           "--trace", str(full_trace)).stdout)
