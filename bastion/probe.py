@@ -51,6 +51,11 @@ def _time_forward(target: Target, kernels, timer: Timer, s: int, context: int) -
     return t.verify
 
 
+def _with_row(mask: int, s: int, wide: bool) -> int:
+    """``mask`` with the bit of s rows (bit s − 1) set when ``wide``, cleared otherwise."""
+    return mask | (1 << (s - 1)) if wide else mask & ~(1 << (s - 1))
+
+
 def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_ROWS,
                    context: int = PROBE_CONTEXT, repeats: int = 3) -> int | None:
     """Pick, per row count 1..16, the faster of the native kernel's two equivalent paths for exact
@@ -87,16 +92,14 @@ def tune_wide_rows(target: Target, kernels, timer: Timer, max_rows: int = PROBE_
     for rep in range(repeats + 1):
         for s in sizes:
             for wide in ((1, 0) if (rep + s) % 2 else (0, 1)):
-                cpu_native.set_wide_rows(full if wide else full & ~(1 << (s - 1)))
+                cpu_native.set_wide_rows(_with_row(full, s, wide))
                 dt = _time_forward(target, kernels, timer, s, context)
                 if rep > 0:
                     times.setdefault((s, wide), []).append(dt)
     target.reset()
-    mask = 0
+    mask = full  # row counts not timed keep the 512-bit path
     for s in sizes:
-        if statistics.median(times[(s, 1)]) <= statistics.median(times[(s, 0)]):
-            mask |= 1 << (s - 1)
-    mask |= full & ~((1 << len(sizes)) - 1)  # row counts not timed keep the 512-bit path
+        mask = _with_row(mask, s, statistics.median(times[(s, 1)]) <= statistics.median(times[(s, 0)]))
     q8 = _tune_q8_rows(target, sizes, mask)
     cpu_native.set_wide_rows(mask, q8)
     target.wide_rows, target.wide_rows_q8, target.wide_rows_timed = mask, q8, len(sizes)
@@ -122,14 +125,13 @@ def _tune_q8_rows(target: Target, sizes: list[int], mask: int, repeats: int = 5)
         times: dict[int, list[float]] = {0: [], 1: []}
         for rep in range(repeats + 1):
             for wide in ((1, 0) if (rep + s) % 2 else (0, 1)):
-                cpu_native.set_wide_rows(mask, q8 | (1 << (s - 1)) if wide else q8 & ~(1 << (s - 1)))
+                cpu_native.set_wide_rows(mask, _with_row(q8, s, wide))
                 t0 = time.perf_counter()
                 for p, x in zip(heads, xs):
                     p(x, threads)
                 if rep > 0:
                     times[wide].append(time.perf_counter() - t0)
-        bit = statistics.median(times[1]) <= statistics.median(times[0])
-        q8 = q8 | (1 << (s - 1)) if bit else q8 & ~(1 << (s - 1))
+        q8 = _with_row(q8, s, statistics.median(times[1]) <= statistics.median(times[0]))
     return q8
 
 

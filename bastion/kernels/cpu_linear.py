@@ -156,17 +156,21 @@ class SkinnyLinear(nn.Linear):
 _mode_changes = 0  # how many use_skinny_linear calls changed something (see mode_changes)
 
 
+def _packed_dtype(m: SkinnyLinear) -> torch.dtype | None:
+    """The dtype of a native compressing layer's packed panels (None: not packed yet, or not such a layer)."""
+    panels = m.__dict__.get("_panels", (None, None))[1] if m.native and m.compress else None
+    return None if panels is None else panels.dtype
+
+
 def exact_products(module: nn.Module) -> int:
     """How many of ``module``'s native linear layers hold exact 4/8-bit panels now (packed ones only:
     panels are made on a layer's first product or by :func:`prepack`)."""
-    return sum(m.native and m.compress and m.__dict__.get("_panels", (None, None))[1] is not None
-               and m._panels[1].dtype in (torch.uint8, torch.int8) for m in _native_layers(module))
+    return sum(_packed_dtype(m) in (torch.uint8, torch.int8) for m in _native_layers(module))
 
 
 def exact_q8_layers(module: nn.Module) -> list[SkinnyLinear]:
     """``module``'s native linear layers whose panels are exact 8-bit ones (packed ones only)."""
-    return [m for m in _native_layers(module) if m.native and m.compress
-            and m.__dict__.get("_panels", (None, None))[1] is not None and m._panels[1].dtype == torch.int8]
+    return [m for m in _native_layers(module) if _packed_dtype(m) == torch.int8]
 
 
 def mode_changes() -> int:
