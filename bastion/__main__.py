@@ -120,7 +120,7 @@ def _write_trace(path: Path, steps: list) -> None:
 def run_generate(a) -> int:
     cfg = _checked_config(a)
     engine, ids = _engine_and_prompt(a, cfg)
-    if cfg.strategy != "ar" and cfg.pad_rows and engine.padding is None:  # the engine's one probe: say so
+    if engine.unprobed(cfg):  # the engine's one probe: say so
         print("[bastion] timing this machine's verification costs (once per process, a few seconds)...",
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()

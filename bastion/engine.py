@@ -177,10 +177,15 @@ class Engine:
             self.wide_rows = tune_wide_rows(self.target, self.kernels, self.timer, max_rows=1)
             return
         slope_lost = cfg.strategy == "bastion" and not self.latency.slope_identified()
-        if (cfg.pad_rows and self.padding is None) or (slope_lost and not self.latency.reanchor()):
+        if self.unprobed(cfg) or (slope_lost and not self.latency.reanchor()):
             self.probe_latency()
         if self._conditions(cfg):
             self.datastore.prepare_successors()
+
+    def unprobed(self, cfg: GenerationConfig) -> bool:
+        """Whether :meth:`prepare` will probe for ``cfg`` because this engine never measured its row
+        costs (a drafting run that pads rows; the command line says so before the seconds it takes)."""
+        return cfg.strategy != "ar" and cfg.pad_rows and self.padding is None
 
     # ----------------------------------------------------------------- the loop
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Step]:
