@@ -38,29 +38,47 @@ class Batch(NamedTuple):
 def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id: int, rng: random.Random) -> Batch:
     """Pick `rows` sequences and `anchors` anchors in each response; pad to the longest sequence.
     Records without "feats" give ``feats=None`` (features come from the target, ``live_features``).
-    Records with "agree" (replies written by another dtype's copy of the target, ``traindata``): the
-    label at depth k of anchor a is kept only if tokens a+1..a+k all agree with the target's greedy
-    choice — past a disagreement the text is no longer the continuation the drafter must predict."""
+
+    Two kinds of records carry text the target did not necessarily write itself, and keep a label at
+    depth k of anchor a only while the text is still the continuation the drafter must predict:
+    - "agree" [n] bool (replies written by another dtype's copy of the target, ``traindata``): labels
+      are the text's tokens x_{a+k}, kept iff tokens a+1..a+k all agree with the target's greedy choice;
+    - "greedy" [n] int (any text, ``traindata.make_text``: g_t = the target's greedy choice after
+      tokens ≤ t): labels are g_{a+k−1}, kept iff tokens a+1..a+k−1 of the text equal the target's
+      choices before them — the depth-1 label always, and one label past the text's first departure
+      from the greedy path (what the target itself would have written there)."""
     picks = [records[rng.randrange(len(records))] for _ in range(rows)]
     L = max(len(r["ids"]) for r in picks)
     with_feats = all("feats" in r for r in picks)
     feats = torch.zeros(rows, L, picks[0]["feats"].shape[1]) if with_feats else None
     ids = torch.zeros(rows, L, dtype=torch.long)
     valid = torch.zeros(rows, L, dtype=torch.bool)
-    # labels read from ids shifted by one; past the end of a sequence they are −100
+    # labels read at their own positions (x_t, or g_{t−1} for "greedy"); past the end of a sequence −100
     lab_src = torch.full((rows, L + block), -100, dtype=torch.long)
     anchor_pos = torch.zeros(rows, anchors, dtype=torch.long)
-    # disagreements counted through each position (constant past the end): a label is lost where the
-    # count at its position exceeds the count at its anchor
-    lost = torch.zeros(rows, L + block, dtype=torch.long) if any("agree" in r for r in picks) else None
+    # disagreements counted through each position (constant past the end), read at a label's position
+    # ("agree") or the one before it ("greedy"): a label is lost where that count exceeds the anchor's
+    checked = any("agree" in r or "greedy" in r for r in picks)
+    lost_lab = torch.zeros(rows, L + block, dtype=torch.long) if checked else None
+    lost_anc = torch.zeros(rows, L + block, dtype=torch.long) if checked else None
     for i, r in enumerate(picks):
         n = len(r["ids"])
         ids[i, :n] = r["ids"].long()
-        lab_src[i, :n] = ids[i, :n]
         valid[i, :n] = True
-        if lost is not None and "agree" in r:
-            lost[i, :n] = torch.cumsum(~r["agree"], 0)
-            lost[i, n:] = lost[i, n - 1]
+        if "greedy" in r:
+            g = r["greedy"].long()
+            lab_src[i, 1:n] = g[:n - 1]
+            agree = torch.ones(n, dtype=torch.bool)
+            agree[1:] = ids[i, 1:n] == g[:n - 1]
+            cnt = torch.cumsum(~agree, 0)
+            lost_anc[i, :n], lost_anc[i, n:] = cnt, cnt[-1]
+            lost_lab[i, 1:n + 1], lost_lab[i, n + 1:] = cnt, cnt[-1]
+        else:
+            lab_src[i, :n] = ids[i, :n]
+            if "agree" in r:
+                cnt = torch.cumsum(~r["agree"], 0)
+                lost_anc[i, :n], lost_anc[i, n:] = cnt, cnt[-1]
+                lost_lab[i] = lost_anc[i]
         if feats is not None:
             feats[i, :n] = r["feats"].float()
         lo, hi = max(r["prompt_len"] - 1, 0), n - 2
@@ -72,8 +90,8 @@ def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id
     block_ids[:, :, 0] = ids.gather(1, anchor_pos)
     at = (anchor_pos[:, :, None] + 1 + offsets[:block - 1]).reshape(rows, -1)
     labels = lab_src.gather(1, at)
-    if lost is not None:
-        since = lost.gather(1, at) - lost.gather(1, anchor_pos).repeat_interleave(block - 1, dim=1)
+    if checked:
+        since = lost_lab.gather(1, at) - lost_anc.gather(1, anchor_pos).repeat_interleave(block - 1, dim=1)
         labels = labels.masked_fill(since > 0, -100)
     return Batch(feats, valid, block_ids.reshape(rows, anchors * block), block_pos, labels, anchor_pos, ids)
 

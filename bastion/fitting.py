@@ -196,6 +196,11 @@ def _load_data(data: list[Path], live: bool) -> tuple[list[dict], int]:
     checked = [r["agree"][r["prompt_len"]:] for r in records if "agree" in r]
     off = f", {sum(int((~a).sum()) for a in checked)} of {sum(map(len, checked))} checked reply tokens " \
           "not the target's choice" if checked else ""
+    text = [r for r in records if "greedy" in r]
+    if text:  # offline text: how often it follows the target's own choices bounds its deeper labels
+        n = sum(len(r["ids"]) - r["prompt_len"] for r in text)
+        hit = sum(int((r["ids"][r["prompt_len"]:] == r["greedy"][r["prompt_len"] - 1:-1]).sum()) for r in text)
+        off += f", {len(text)} text sequences whose reply tokens are the target's choice {hit / max(n, 1):.0%} of the time"
     print(f"{len(records)} sequences, {sum(len(r['ids']) for r in records)} tokens{off}", file=sys.stderr)
     return records, n_shards
 

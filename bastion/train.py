@@ -2,6 +2,7 @@
 
     python -m bastion.train data  --out DIR [--corpus base|broad|self] [--prompts N] [--batch 32] [--max-new-tokens 160]
     python -m bastion.train replay --datastore FOLDER --out DIR [--sequences N]
+    python -m bastion.train text  --source stdlib --source packages [--source PATH] --out DIR [--chunks N]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
                                   [--init FOLDER] [--draft-vocab N] [--export FOLDER]
     python -m bastion.train average --drafter A --drafter B [...] --out FOLDER
@@ -12,6 +13,10 @@ continuations, generated in batches (batching is what makes this affordable on 2
 feature-layer hidden states of every token, written in shards; finished shards are never redone.
 ``--no-features`` stores token ids only (a few MB instead of GBs); ``fit --live-features`` then runs
 the target on every batch instead (the sensible split on a GPU, where that forward is cheap).
+
+``text``: offline text (``bastion.textcorpus``: the standard library, installed packages' READMEs,
+any files) as the assistant's replies, with the target's greedy choice after every token — one forward
+a batch; ``fit`` trains those choices where the text has followed them (``distill.make_batch``).
 
 ``fit``: random anchor positions a in the response; context = target features of tokens < a;
 block = [x_a, MASK × (B−1)]; labels = x_{a+1..a+B−1}. Loss = Σ_k w_k·CE_k with w_k = exp(−(k−1)/γ)
@@ -38,7 +43,7 @@ from .drafter_config import spread_layer_ids
 from .drafter_ops import average_drafters
 from .fitting import FitConfig, bf16_is_fast, fit
 from .loading import EMBEDDED, checked_device, load_target
-from .traindata import make_data, make_replay
+from .traindata import make_data, make_replay, make_text
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
 
@@ -48,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     d, f = _data_command(sub), _fit_command(sub)
     r, v = _replay_and_average_commands(sub)
-    for p in (d, f, r, v):
+    t = _text_command(sub)
+    for p in (d, f, r, v, t):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
@@ -71,6 +77,21 @@ def _data_command(sub) -> argparse.ArgumentParser:
                    help="generate in this dtype (default the target's); a bf16 copy writes ~2× faster on CPUs "
                         "with AMX, and every token it wrote is checked against the target's own choice")
     return d
+
+
+def _text_command(sub) -> argparse.ArgumentParser:
+    """``text``: offline documents as replies, with features and the target's greedy choices."""
+    t = sub.add_parser("text", help="offline text as training data (one forward a batch, no generation)")
+    t.add_argument("--source", required=True, action="append",
+                   help="a file, a folder of .md/.rst/.txt/.py/METADATA files, or the name stdlib (Python's "
+                        "standard library) or packages (installed distributions' READMEs); repeatable")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--chunks", type=int, default=2048, help="how many chunks (a seeded sample)")
+    t.add_argument("--max-tokens", type=int, default=256, help="tokens per chunk at most")
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--feature-layers", type=int, default=4, help="number of target layers used as features")
+    t.add_argument("--seed", type=int, default=0)
+    return t
 
 
 def _fit_command(sub) -> argparse.ArgumentParser:
@@ -188,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
         print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
         return 2  # before the target loads
+    if a.cmd == "text":  # the sources are checked before the target loads
+        from .textcorpus import text_files
+        try:
+            text_files(a.source)
+        except ValueError as exc:
+            ap.error(str(exc))
     target = load_target(a.model, torch.float32, str(device))
     if a.cmd == "average":
         from .drafter_io import load_drafter, save_drafter
@@ -215,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             make_replay(target, a.out, a.datastore, a.sequences, a.batch,
                         spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed,
                         features=not a.no_features)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    elif a.cmd == "text":
+        try:
+            make_text(target, a.out, a.source, a.chunks, a.batch, a.max_tokens,
+                      spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed)
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

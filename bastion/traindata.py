@@ -222,12 +222,13 @@ def _refuse_other_settings(out: Path, meta: dict, keys: tuple[str, ...], default
 
 
 def _records(target: Target, seqs: list[list[int]], prompt_lens: list[int], pad: int,
-             features: bool = True, check: bool = False) -> list[dict]:
-    """Shard records {ids, prompt_len[, feats][, agree]}: one forward over the right-padded batch gives
-    every token's feature-layer states (fp16) and, with ``check``, ``agree`` [n] bool: token t equals
-    the target's greedy choice after tokens < t (True over the prompt, which nobody generated)."""
+             features: bool = True, check: bool = False, greedy: bool = False) -> list[dict]:
+    """Shard records {ids, prompt_len[, feats][, agree][, greedy]}: one forward over the right-padded
+    batch gives every token's feature-layer states (fp16); with ``check``, ``agree`` [n] bool: token t
+    equals the target's greedy choice after tokens < t (True over the prompt, which nobody generated);
+    with ``greedy``, that choice itself, int32 [n] (g_t: the token the target writes after tokens ≤ t)."""
     records = [{"ids": torch.tensor(q, dtype=torch.int32), "prompt_len": p} for q, p in zip(seqs, prompt_lens)]
-    if features or check:
+    if features or check or greedy:
         L = max(map(len, seqs))
         full = torch.tensor([q + [pad] * (L - len(q)) for q in seqs])
         fmask = torch.tensor([[1] * len(q) + [0] * (L - len(q)) for q in seqs])
@@ -237,6 +238,8 @@ def _records(target: Target, seqs: list[list[int]], prompt_lens: list[int], pad:
             n, p = len(seqs[i]), prompt_lens[i]
             if features:
                 r["feats"] = feats[i, :n].to(torch.float16).clone()
+            if greedy:
+                r["greedy"] = nxt[i, :n].to(torch.int32).clone()
             if check:
                 agree = torch.ones(n, dtype=torch.bool)
                 agree[p:] = nxt[i, p - 1:n - 1] == full[i, p:n]
@@ -304,6 +307,56 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
             continue
         chunk = pairs[s * batch:(s + 1) * batch]
         atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
+        progress(s + 1, n_shards, t0, f"shard {s}")
+    print(file=sys.stderr)
+
+
+@torch.inference_mode()
+def make_text(target: Target, out: Path, sources: list[str], n_chunks: int, batch: int, max_tokens: int,
+              layer_ids: list[int], seed: int = 0) -> None:
+    """Shards of offline text for the drafter (``bastion.textcorpus``): ``n_chunks`` chunks of at most
+    ``max_tokens`` tokens from ``sources`` (files seeded-shuffled, at most 3 chunks of a file, the chunks
+    shuffled too), each the assistant's
+    reply to its request, with every token's features and the target's greedy choice after it
+    (``greedy`` records: ``distill.make_batch`` trains those choices where the text has followed them).
+    One forward a batch, no generation. The chunk list is fixed by the first run (``chunks.json``),
+    so a resumed job writes the shards it had not finished."""
+    from .textcorpus import text_chunks, text_files
+
+    if n_chunks < 1 or batch < 1 or max_tokens < 8:
+        raise ValueError("--chunks and --batch must be positive and --max-tokens at least 8")
+    meta = {"layer_ids": layer_ids, "corpus": "text", "sources": list(sources), "chunks": n_chunks,
+            "batch": batch, "max_tokens": max_tokens, "seed": seed}
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "sources", "chunks", "batch", "max_tokens", "seed"))
+    tok = target.tokenizer
+    listed = out / "chunks.json"
+    if listed.is_file():
+        chunks = json.loads(listed.read_text())
+    else:
+        files = text_files(sources)  # ValueError before anything is written
+        random.Random(seed).shuffle(files)
+        found = text_chunks(files, tok, max_tokens=max_tokens, exclude=_eval_prompt_set(), seed=seed,
+                            limit=n_chunks, per_file=3)
+        random.Random(seed + 1).shuffle(found)
+        chunks = [[c.request, c.text] for c in found[:n_chunks]]
+        if not chunks:
+            raise ValueError(f"no chunk of at least 32 tokens in {', '.join(sources)}")
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = listed.with_suffix(".tmp")
+        tmp.write_text(json.dumps(chunks))
+        os.replace(tmp, listed)
+    (out / "meta.json").write_text(json.dumps(meta | {"found": len(chunks)}))
+    target.set_feature_layers(layer_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n_shards, t0 = math.ceil(len(chunks) / batch), time.time()
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.pt"
+        if path.exists():
+            continue
+        prompts = [encode_prompt(tok, req) for req, _ in chunks[s * batch:(s + 1) * batch]]
+        seqs = [p + tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
+                for p, (_, text) in zip(prompts, chunks[s * batch:(s + 1) * batch])]
+        atomic_save(_records(target, seqs, [len(p) for p in prompts], pad, greedy=True), path)
         progress(s + 1, n_shards, t0, f"shard {s}")
     print(file=sys.stderr)
 

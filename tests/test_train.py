@@ -771,6 +771,32 @@ def test_a_batch_drops_the_labels_at_and_past_a_disagreement_in_each_block():
             assert lab[j, k - 1] == (ref[j, k - 1] if keep else -100), (a, k)
 
 
+def test_a_batch_of_any_text_trains_the_targets_greedy_choices_up_to_one_past_a_departure():
+    """make_batch on a ``greedy`` record (g_t: the target's choice after tokens ≤ t): the depth-k label
+    of anchor a is g_{a+k−1}, kept iff the text's tokens a+1..a+k−1 are the target's choices — here the
+    text departs at m (the target would write 500 there), so a block keeps k ≤ m − a (the last of
+    them is 500) or everything when a ≥ m; labels past the end are dropped."""
+    from bastion.distill import make_batch
+
+    n, plen, m, block = 20, 3, 11, 6
+    ids = torch.arange(1, n + 1, dtype=torch.int32)
+    greedy = torch.cat([ids[1:], torch.tensor([7], dtype=torch.int32)])  # g_t = x_{t+1}: the text agrees
+    greedy[m - 1] = 500
+    rec = {"ids": ids, "prompt_len": plen, "feats": torch.zeros(n, 4), "greedy": greedy}
+    batch = make_batch([rec], 8, 8, block, 99, random.Random(3))
+    anchors = batch.anchor_pos.flatten().tolist()
+    assert any(a < m < a + block - 1 for a in anchors) and any(a >= m for a in anchors)  # both cases drawn
+    lab = batch.labels.view(-1, block - 1)
+    for j, a in enumerate(anchors):
+        for k in range(1, block):
+            t = a + k  # the label's position
+            if t >= n or (a < m <= t - 1):
+                want = -100
+            else:
+                want = 500 if t == m else t + 1  # x_t = t + 1
+            assert lab[j, k - 1] == want, (a, k)
+
+
 @pytest.mark.slow
 def test_bf16_generated_data_is_checked_and_recorded(tmp_path):
     """``data --gen-dtype bfloat16`` on the embedded target: shards carry ``agree``, the folder
