@@ -125,11 +125,11 @@ def text_chunks(files: list[Path], tokenizer, max_tokens: int = 256, min_tokens:
         kind, name, body = _kind_and_body(path, raw)
         lines, used = [], 0
         for line in body.splitlines(keepends=True):
-            n = len(tokenizer(line, add_special_tokens=False)["input_ids"])
+            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+            n = len(ids)
             if n > max_tokens:  # one very long line: its own chunk, cut at a token
                 emit(lines, kind, name, path)
-                ids = tokenizer(line, add_special_tokens=False)["input_ids"][:max_tokens]
-                emit([tokenizer.decode(ids)], kind, name, path)
+                emit([tokenizer.decode(ids[:max_tokens])], kind, name, path)
                 lines, used = [], 0
                 continue
             if used + n > max_tokens:

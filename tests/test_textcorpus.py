@@ -105,12 +105,10 @@ def test_train_text_writes_greedy_records_of_the_embedded_target_and_resumes(tmp
         with torch.no_grad():
             logits = target.model(input_ids=r["ids"].long()[None]).logits[0]
         assert torch.equal(r["greedy"].long(), logits.argmax(-1))
-    first = (out / "shard_00000.pt").read_bytes()
     (out / "shard_00000.pt").unlink()
     assert main(args) == 0
     again = load_shards(out)
     assert all(torch.equal(a["greedy"], b["greedy"]) and torch.equal(a["ids"], b["ids"]) for a, b in zip(recs, again))
-    assert len(first) > 0
     assert main(args[:-6] + ["--chunks", "4", "--batch", "2", "--max-tokens", "48", "--threads", "1"]) == 2
     with pytest.raises(SystemExit):
         main(["text", "--source", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
