@@ -182,6 +182,25 @@ def _fit_config(a: argparse.Namespace) -> FitConfig:
     return cfg
 
 
+def _check_before_loading(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """The commands' input checks that need no target (``ap.error`` exits, or 2 for a missing datastore)."""
+    if a.cmd == "average":
+        if len(a.drafter) < 2:
+            ap.error("average: give two or more --drafter folders")
+        if a.out.resolve() in {d.resolve() for d in a.drafter}:
+            ap.error(f"average: --out {a.out} is one of the inputs (it would be replaced)")
+    if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
+        print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
+        return 2
+    if a.cmd == "text":
+        from .textcorpus import text_files
+        try:
+            text_files(a.source)
+        except ValueError as exc:
+            ap.error(str(exc))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
@@ -201,20 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(checked_device(a.device))
     except ValueError as e:
         ap.error(f"--device: {e}")
-    if a.cmd == "average":  # checked before the target loads
-        if len(a.drafter) < 2:
-            ap.error("average: give two or more --drafter folders")
-        if a.out.resolve() in {d.resolve() for d in a.drafter}:
-            ap.error(f"average: --out {a.out} is one of the inputs (it would be replaced)")
-    if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
-        print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
-        return 2  # before the target loads
-    if a.cmd == "text":  # the sources are checked before the target loads
-        from .textcorpus import text_files
-        try:
-            text_files(a.source)
-        except ValueError as exc:
-            ap.error(str(exc))
+    refused = _check_before_loading(ap, a)
+    if refused:
+        return refused
     target = load_target(a.model, torch.float32, str(device))
     if a.cmd == "average":
         from .drafter_io import load_drafter, save_drafter
