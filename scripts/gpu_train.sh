@@ -8,8 +8,15 @@
 #         `python -m bastion.train data --no-features` writes them, or `train replay --no-features
 #         --sequences 0` from the shipped datastore on a machine whose data folders are gone; folders
 #         named self* are given twice, as in the CPU runs); checkpoints go to WORK/ck
-#   NEW_PROMPTS: first write N new `self` replies on the GPU into WORK/ids/self_gpu (at most 150 s;
-#         the shards finished by then are used)
+#   NEW_PROMPTS: first write up to N new `self` replies on the GPU, in folders of CHUNK (default 4096)
+#         prompts, WORK/ids/self_gpu<seed> for seeds 101, 102, ..., for at most DATA_SECONDS (default
+#         150): a folder's requests are written before its replies, so small folders keep a cut-off
+#         from losing them all; the shards finished in time are used, and packed as OUT/ids_gpu.tar.xz
+#         (token ids only) for later CPU runs (`train replay`-free: `fit --live-features`, or features
+#         added on the CPU)
+#   NOISE: `fit --feature-noise` (default 0); LR: `fit --lr` (default 6e-4); VOCAB: refit the draft
+#         vocabulary to this many ids (`fit --draft-vocab`; default: keep the init drafter's, so the
+#         result can be averaged with it)
 #   KD:   weight of the target's own distributions in the loss (`fit --kd`, default 0: greedy labels only)
 #   LAYERS: grow the drafter to this many layers first (`fit --layers`; default: its own, 2 for the
 #         shipped one) — the CPU runs found a 2-layer drafter that does not fit its own data
@@ -27,11 +34,19 @@ unset TRITON_INTERPRET
 "$PY" -c 'import torch, transformers; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", torch.__version__, transformers.__version__)'
 
 if [[ "${NEW_PROMPTS:-0}" -gt 0 ]]; then
-    echo "== data: $NEW_PROMPTS new self replies =="
-    timeout 150 "$PY" -m bastion.train data --device "$DEVICE" --no-features --corpus self --seed 101 \
-        --prompts "$NEW_PROMPTS" --batch 512 --out "$W/ids/self_gpu" 2> "$W/data.err"
-    echo "data exit $?: $(ls "$W/ids/self_gpu" 2>/dev/null | grep -c shard_) shards"
-    tr '\r' '\n' < "$W/data.err" | grep -v '^$' | tail -n 5
+    chunk=${CHUNK:-4096}; seed=${SEED0:-101}; left=$NEW_PROMPTS
+    stop=$(( $(date +%s) + ${DATA_SECONDS:-150} ))
+    echo "== data: up to $NEW_PROMPTS new self replies, ${DATA_SECONDS:-150} s =="
+    while (( left > 0 && $(date +%s) < stop - 10 )); do
+        n=$(( left < chunk ? left : chunk ))
+        timeout $(( stop - $(date +%s) )) "$PY" -m bastion.train data --device "$DEVICE" --no-features \
+            --corpus self --seed "$seed" --prompts "$n" --batch "${DATA_BATCH:-512}" \
+            --out "$W/ids/self_gpu$seed" 2> "$W/data$seed.err"
+        echo "data seed $seed exit $?: $(ls "$W/ids/self_gpu$seed" 2>/dev/null | grep -c shard_) shards"
+        tr '\r' '\n' < "$W/data$seed.err" | grep -v '^$' | tail -n 2
+        left=$(( left - n )); seed=$(( seed + 1 ))
+    done
+    (cd "$W/ids" && tar cJf "$OUT/ids_gpu.tar.xz" self_gpu*) && ls -la "$OUT/ids_gpu.tar.xz"
 fi
 data=()
 for d in "$W"/ids/*/; do
@@ -46,7 +61,7 @@ echo "== fit: $MINUTES min =="
 start=$(date +%s)
 timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device "$DEVICE" --live-features \
     "${data[@]}" --ckpt "$W/ck" --init "$W/drafter" \
-    --export "$W/export" --rows "${ROWS:-128}" --anchors "${ANCHORS:-32}" --loss-depths 8 --draft-vocab 8192 --lr 6e-4 --kd "${KD:-0}" \
+    --export "$W/export" --rows "${ROWS:-128}" --anchors "${ANCHORS:-32}" --loss-depths 8 ${VOCAB:+--draft-vocab "$VOCAB"} --lr "${LR:-6e-4}" --kd "${KD:-0}" --feature-noise "${NOISE:-0}" \
     --blocks "${BLOCKS:-8,9,9,10,12,16,16}" ${LAYERS:+--layers "$LAYERS"} \
     --minutes "$MINUTES" --steps 100000 --ckpt-every 100 2> "$W/fit.err"
 echo "fit exit $? after $(( $(date +%s) - start )) s"
@@ -62,8 +77,8 @@ fi
 
 [[ -n "${SKIP_BENCH:-}" ]] && exit 0
 echo "== bench on $DEVICE with $drafter =="
-timeout 130 "$PY" -m bastion bench --device "$DEVICE" --drafter "$drafter" --prompts assets/eval_prompts.json \
-    --limit-per-category 2 --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
+timeout "${BENCH_SECONDS:-130}" "$PY" -m bastion bench --device "$DEVICE" --drafter "$drafter" --prompts assets/eval_prompts.json \
+    --limit-per-category "${BENCH_LIMIT:-2}" --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
     --out "$W/gbench"
 echo "bench exit $?"
 [[ -d "$W/gbench" ]] && tar czf "$OUT/gbench.tgz" -C "$W" gbench && cat "$W/gbench/results.md" 2>/dev/null | head -30

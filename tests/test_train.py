@@ -854,6 +854,16 @@ def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
     plain, noisy = losses("0"), losses("0.5")
     assert "feature_noise" not in plain[0] and noisy[0]["feature_noise"] == 0.5
     assert abs(plain[0]["loss"] - noisy[0]["loss"]) > 1e-4
+    # ids-only data (the GPU recipe): the target's live features are noised too — the batch carries no
+    # features until the target computes them, which once reached the noise as None and crashed
+    ids = tmp_path / "ids"
+    assert main(["data", "--out", str(ids), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8",
+                 "--no-features"] + common) == 0
+    live = tmp_path / "ckpt-live"
+    assert main(["fit", "--data", str(ids), "--ckpt", str(live), "--rows", "2", "--anchors", "2", "--live-features",
+                 "--loss-depths", "3", "--steps", "3", "--no-bf16", "--feature-noise", "0.5"] + common) == 0
+    live_log = [json.loads(x) for x in (live / "log.jsonl").read_text().splitlines()]
+    assert live_log[0]["feature_noise"] == 0.5 and abs(live_log[0]["loss"] - noisy[0]["loss"]) < 1e-3
 
 
 def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys, monkeypatch):
