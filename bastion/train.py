@@ -2,6 +2,7 @@
 
     python -m bastion.train data  --out DIR [--corpus base|broad|self] [--prompts N] [--batch 32] [--max-new-tokens 160]
     python -m bastion.train replay --datastore FOLDER --out DIR [--sequences N]
+    python -m bastion.train features --data IDS_DIR --out DIR [--batch 16]
     python -m bastion.train text  --source stdlib --source packages [--source PATH] --out DIR [--chunks N]
     python -m bastion.train fit   --data DIR [--data DIR2 ...] --ckpt DIR [--steps N] [--minutes M]
                                   [--init FOLDER] [--draft-vocab N] [--export FOLDER]
@@ -13,6 +14,10 @@ continuations, generated in batches (batching is what makes this affordable on 2
 feature-layer hidden states of every token, written in shards; finished shards are never redone.
 ``--no-features`` stores token ids only (a few MB instead of GBs); ``fit --live-features`` then runs
 the target on every batch instead (the sensible split on a GPU, where that forward is cheap).
+
+``features``: the target's feature-layer states for an ids-only folder (``data --no-features``, e.g.
+replies a GPU wrote in minutes), checked token by token against this target's greedy choices, so a
+CPU's ``fit`` can train on them without ``--live-features``.
 
 ``text``: offline text (``bastion.textcorpus``: the standard library, installed packages' READMEs,
 any files) as the assistant's replies, with the target's greedy choice after every token — one forward
@@ -43,18 +48,19 @@ from .drafter_config import spread_layer_ids
 from .drafter_ops import average_drafters
 from .fitting import FitConfig, bf16_is_fast, fit
 from .loading import EMBEDDED, checked_device, load_target
-from .traindata import make_data, make_replay, make_text
+from .refeature import make_features, make_replay
+from .traindata import make_data, make_text
 from .trainlog import plot_log, read_logs  # noqa: F401  (the plot command; read_logs is public here too)
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line: data, fit, replay, average and plot."""
+    """The command line: data, fit, replay, features, average, text and plot."""
     ap = argparse.ArgumentParser(prog="python -m bastion.train", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d, f = _data_command(sub), _fit_command(sub)
-    r, v = _replay_and_average_commands(sub)
+    r, e, v = _replay_and_average_commands(sub)
     t = _text_command(sub)
-    for p in (d, f, r, v, t):
+    for p in (d, f, r, e, v, t):
         p.add_argument("--model", default=EMBEDDED)
         p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target and the drafter)")
@@ -140,8 +146,9 @@ def _fit_command(sub) -> argparse.ArgumentParser:
     return f
 
 
-def _replay_and_average_commands(sub) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """``replay`` (feature shards for a datastore's replies), ``average`` (a mean of drafters) and ``plot``."""
+def _replay_and_average_commands(sub) -> tuple[argparse.ArgumentParser, ...]:
+    """``replay`` (feature shards for a datastore's replies), ``features`` (for an ids-only folder),
+    ``average`` (a mean of drafters) and ``plot``."""
     r = sub.add_parser("replay", help="feature shards for replies kept in a datastore (when their shards are gone)")
     r.add_argument("--datastore", type=Path, required=True, help="a folder holding datastore.safetensors")
     r.add_argument("--out", type=Path, required=True)
@@ -152,6 +159,10 @@ def _replay_and_average_commands(sub) -> tuple[argparse.ArgumentParser, argparse
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-features", action="store_true",
                    help="token ids only, no target forward (for fit --live-features, e.g. on a GPU)")
+    e = sub.add_parser("features", help="add the target's features to an ids-only data folder (e.g. one a GPU wrote)")
+    e.add_argument("--data", type=Path, required=True, help="an ids-only data folder (data --no-features)")
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--batch", type=int, default=16)
     v = sub.add_parser("average", help="write the element-wise mean of drafters of one lineage (a model soup)")
     v.add_argument("--drafter", type=Path, required=True, action="append", help="drafter folder (repeat, 2 or more)")
     v.add_argument("--out", type=Path, required=True, help="folder to write (config.json + model.safetensors, fp16)")
@@ -159,7 +170,7 @@ def _replay_and_average_commands(sub) -> tuple[argparse.ArgumentParser, argparse
     c.add_argument("--ckpt", type=Path, required=True, action="append",
                    help="checkpoint folder; repeat to draw a lineage of warm-started runs end to end")
     c.add_argument("--out", type=Path, required=True)
-    return r, v
+    return r, e, v
 
 
 def _fit_config(a: argparse.Namespace) -> FitConfig:
@@ -192,6 +203,13 @@ def _check_before_loading(ap: argparse.ArgumentParser, a: argparse.Namespace) ->
     if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
         print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
         return 2
+    if a.cmd == "features":
+        if a.batch < 1:
+            ap.error("--batch must be positive")
+        meta = a.data / "meta.json"
+        if not meta.is_file():
+            print(f"error: {a.data} is no data folder (no meta.json)", file=sys.stderr)
+            return 2
     if a.cmd == "text":
         from .textcorpus import text_files
         try:
@@ -224,15 +242,23 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         return refused
     target = load_target(a.model, torch.float32, str(device))
+    try:
+        _run(ap, a, target, fit_cfg)
+    except (OSError, ValueError) as exc:
+        if a.cmd in ("data", "fit"):  # their errors carry tracebacks worth reading (and tests match them)
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(ap: argparse.ArgumentParser, a: argparse.Namespace, target, fit_cfg: FitConfig | None) -> None:
+    """The command ``a.cmd`` once the target is loaded (bad input raises OSError or ValueError)."""
     if a.cmd == "average":
         from .drafter_io import load_drafter, save_drafter
-        try:
-            drafters = [load_drafter(d, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
-                        for d in a.drafter]
-            save_drafter(average_drafters(drafters), a.out, dtype=torch.float16)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        drafters = [load_drafter(d, target.hidden_size, target.vocab_size, target.num_layers, dtype=torch.float32)
+                    for d in a.drafter]
+        save_drafter(average_drafters(drafters), a.out, dtype=torch.float16)
         print(f"wrote the mean of {len(drafters)} drafters to {a.out}", file=sys.stderr)
     elif a.cmd == "data":
         if a.prompts < 1 or a.batch < 1 or a.max_new_tokens < 1:
@@ -246,24 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "replay":
         if a.sequences < 0 or a.batch < 1:
             ap.error("--sequences must be ≥ 0 (0 = all) and --batch positive")
-        try:
-            make_replay(target, a.out, a.datastore, a.sequences, a.batch,
-                        spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed,
-                        features=not a.no_features)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        make_replay(target, a.out, a.datastore, a.sequences, a.batch,
+                    spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, features=not a.no_features)
+    elif a.cmd == "features":
+        make_features(target, a.out, a.data, a.batch)
     elif a.cmd == "text":
-        try:
-            make_text(target, a.out, a.source, a.chunks, a.batch, a.max_tokens,
-                      spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        make_text(target, a.out, a.source, a.chunks, a.batch, a.max_tokens,
+                  spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed)
     else:
         fit(target, a.data, a.ckpt, fit_cfg)
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -2,9 +2,9 @@
 
 ``make_data`` (``python -m bastion.train data``) generates them in batches — batching is what makes this
 affordable on 2 cores — with the feature-layer hidden states of every token (or token ids only,
-``--no-features``); ``make_replay`` turns the shipped datastore's replies back into such shards;
-``make_requests`` has the target write requests of its own (the ``self`` corpus). Finished shards are
-never redone, and no shard may hold an evaluation, development or fresh prompt (``_eval_prompt_set``).
+``--no-features``); ``make_requests`` has the target write requests of its own (the ``self`` corpus).
+Shards for replies that exist already (a datastore's, an ids-only folder's) are ``bastion.refeature``'s.
+Finished shards are never redone, and no shard may hold an evaluation, development or fresh prompt (``_eval_prompt_set``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,15 @@ from pathlib import Path
 
 import torch
 
-from .corpus import CORPORA, REQUEST_CATEGORIES, build_corpus, parse_requests, request_prompt
-from .loading import DEV_PROMPTS, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt
+from .corpus import (
+    CORPORA,
+    REQUEST_CATEGORIES,
+    build_corpus,
+    parse_requests,
+    request_prompt,
+)
 from .kvcache import growing_cache
+from .loading import DEV_PROMPTS, EVAL_PROMPTS, FRESH_PROMPTS, encode_prompt
 from .target import Target
 
 
@@ -245,70 +251,6 @@ def _records(target: Target, seqs: list[list[int]], prompt_lens: list[int], pad:
                 agree[p:] = nxt[i, p - 1:n - 1] == full[i, p:n]
                 r["agree"] = agree
     return records
-
-
-def assistant_header(tokenizer) -> list[int]:
-    """The tokens that open the assistant's turn: the common suffix of two chat-templated prompts."""
-    a, b = encode_prompt(tokenizer, "a"), encode_prompt(tokenizer, "b")
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return a[len(a) - n:]
-
-
-@torch.inference_mode()
-def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: int, layer_ids: list[int],
-                seed: int = 0, features: bool = True) -> None:
-    """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample; ``n_seqs`` ≤ 0:
-    all of them), for training on earlier data whose shards are gone: the datastore keeps every
-    reply's token ids (prompt included), so one forward per batch restores the features — no
-    generation. The prompt ends after the last assistant header (:func:`assistant_header`); replies
-    without one are skipped. ``features=False`` writes token ids only, without running the target
-    (seconds, a few MB: the input of ``fit --live-features`` on a GPU, ``scripts/gpu_payload.py``)."""
-    from .datastore import Datastore
-
-    store = Datastore.load(datastore, target.vocab_size)
-    flat = store.tokens.tolist()
-    seqs, cur = [], []
-    for t in flat:
-        if t == -1:
-            seqs.append(cur)
-            cur = []
-        else:
-            cur.append(t)
-    header = assistant_header(target.tokenizer)
-    h = len(header)
-
-    def split(q: list[int]) -> int:
-        for i in range(len(q) - h, -1, -1):
-            if q[i:i + h] == header:
-                return i + h
-        return -1
-
-    pairs = [(q, split(q)) for q in seqs]
-    pairs = [(q, p) for q, p in pairs if 0 < p < len(q)]
-    if not pairs:
-        raise ValueError(f"{datastore}: no stored reply follows an assistant header of this target's chat template")
-    random.Random(seed).shuffle(pairs)
-    if n_seqs > 0:
-        pairs = pairs[:n_seqs]
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
-            "features": features, "datastore": str(datastore)}
-    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
-                           defaults={"features": True})
-    (out / "meta.json").write_text(json.dumps(meta))
-    target.set_feature_layers(layer_ids)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    n_shards, t0 = math.ceil(len(pairs) / batch), time.time()
-    for s in range(n_shards):
-        path = out / f"shard_{s:05d}.pt"
-        if path.exists():
-            continue
-        chunk = pairs[s * batch:(s + 1) * batch]
-        atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
-        progress(s + 1, n_shards, t0, f"shard {s}")
-    print(file=sys.stderr)
 
 
 @torch.inference_mode()

@@ -13,6 +13,12 @@ Packed: transformers' and gguf's wheels for the machine's Python 3.12 (pip downl
 pieces, the drafter to start from (tar.xz, unless the repository tracks it: the shipped one travels
 with the tree) and the data folders as token ids only (tar.xz, features dropped). OUT must be
 ignored by git (add it to .git/info/exclude).
+
+Fewer calls: the benchmark folders are most of the tracked tree and the machine needs none of them.
+For the lease, take them out of the index and ignore them (``git rm -r -q --cached 'bench/results-*'``
+and a line ``/bench/results-*/`` in .git/info/exclude: neither tracked nor untracked-unignored, they
+stay behind), measure the tree again, and afterwards restore both (``git reset -q``, the line
+removed). Session 43: 46 → 22 MiB of tree, three calls instead of seven.
 """
 
 from __future__ import annotations

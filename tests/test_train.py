@@ -225,6 +225,48 @@ def test_ids_only_data_trains_with_live_features(tmp_path):
     assert load_drafter(tmp_path / "drafter", 576, 49152, 30).cfg.target_layer_ids == [1, 10, 18, 27]
 
 
+def test_features_turns_an_ids_only_folder_into_checked_feature_shards(tmp_path, capsys):
+    """train features: an ids-only folder (what a GPU writes) gains the target's features — equal to
+    those `data` stores for the same replies — and ``agree`` marks the reply tokens that are this
+    target's greedy choices (a token changed on purpose is caught); finished shards are not redone;
+    a folder with features already, or no data folder, is refused with a message."""
+    from bastion.train import main
+
+    common = ["--threads", "1"]
+    gen = ["--prompts", "3", "--batch", "2", "--max-new-tokens", "6"] + common
+    ids, full, out = tmp_path / "ids", tmp_path / "full", tmp_path / "feats"
+    assert main(["data", "--out", str(ids), "--no-features"] + gen) == 0
+    assert main(["data", "--out", str(full)] + gen) == 0
+    shard1 = ids / "shard_00001.pt"
+    recs = torch.load(shard1)
+    recs[0]["ids"][-1] = (int(recs[0]["ids"][-1]) + 1) % 49152  # a token the target did not write
+    torch.save(recs, shard1)
+    assert main(["features", "--data", str(ids), "--out", str(out), "--batch", "1"] + common) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["features"] is True and meta["features_from"] == "ids"
+    for name in ("shard_00000.pt", "shard_00001.pt"):
+        made, ref = torch.load(out / name), torch.load(full / name)
+        assert [len(r["ids"]) for r in made] == [len(r["ids"]) for r in ref]
+        for k, (m, r) in enumerate(zip(made, ref)):
+            assert m["feats"].shape == r["feats"].shape and m["feats"].dtype == torch.float16
+            # fp16 either way; `data` keeps generate's own (left-padded) forwards, this one forward
+            # (the changed last token of shard 1's first reply has features of its own)
+            a, b = (m["feats"][:-1], r["feats"][:-1]) if (name, k) == ("shard_00001.pt", 0) else (m["feats"], r["feats"])
+            assert (a.float() - b.float()).norm() < 1e-3 * b.float().norm()
+            if name == "shard_00000.pt":
+                assert torch.equal(m["ids"], r["ids"]) and bool(m["agree"].all())
+    changed = torch.load(out / "shard_00001.pt")[0]["agree"]
+    assert not bool(changed[-1]) and bool(changed[:-1].all())
+    before = (out / "shard_00000.pt").stat().st_mtime_ns
+    assert main(["features", "--data", str(ids), "--out", str(out)] + common) == 0
+    assert (out / "shard_00000.pt").stat().st_mtime_ns == before
+    capsys.readouterr()
+    assert main(["features", "--data", str(full), "--out", str(tmp_path / "x")] + common) == 2
+    assert "already holds features" in capsys.readouterr().err
+    assert main(["features", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "y")] + common) == 2
+    assert "no data folder" in capsys.readouterr().err
+
+
 def test_fit_draws_a_block_length_per_step_from_blocks(tmp_path, capsys):
     """fit --blocks 3,5: each step trains blocks of 3 or 5 tokens (depths 1..min(D, B'−1)) on the
     16-token drafter; a length the drafter cannot hold is refused before training."""
