@@ -71,13 +71,15 @@ class Strategy:
     condition: bool = True   # bastion's n-gram re-weighting of each node's children; 'bastion:nocond' leaves it out
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
     adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
+    node_cost: bool = False  # 'bastion:nodecost' prices the host's work per tree node (hostcost.py)
     drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
-                                condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth)
+                                condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth,
+                                node_cost=self.node_cost)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -121,12 +123,14 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, "bastion", lookup=False, datastore=False, condition=False)
     if name == "bastion:fulldepth":
         return Strategy(name, "bastion", adaptive_depth=False)
+    if name == "bastion:nodecost":
+        return Strategy(name, "bastion", node_cost=True)
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, and then in @b)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, bastion:nodecost, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, and then in @b)")
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,8 @@ def add_parser(sub) -> None:
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
                    "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "
                    "datastore branch), bastion:nocond (no n-gram re-weighting of the tree's children), "
-                   "bastion:drafter (the drafter's marginals alone); "
+                   "bastion:drafter (the drafter's marginals alone), bastion:nodecost (the host's build + commit "
+                   "time per tree node priced in the throughput rule); "
                    "a drafting name ending in :nopad verifies trees without row padding, one ending in @b "
                    "decodes with --drafter-b")
     b.add_argument("--hf-baselines", action="store_true",

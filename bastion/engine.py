@@ -23,6 +23,7 @@ from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, cha
 from .kernels import get_kernels
 from .kernels.reference import GumbelRows
 from .hardware import ModelSpec, hardware_for
+from .hostcost import HostCost
 from .latency import LatencyModel, RowPadding
 from .loading import freeze_heap
 from .lookup import CopySources, LookupStats
@@ -67,6 +68,7 @@ class Engine:
         # one calibrator per acceptance rule: T = 0 and each (T, top-k, top-p) accept differently
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
         self.lookup_stats: dict[tuple, LookupStats] = {}
+        self.host: dict[str, HostCost] = {}  # per strategy: build + commit seconds as a + b·n (hostcost.py)
         self.padding: RowPadding | None = None  # measured by probe_latency
         self.wide_rows: int | None = None  # the row counts whose exact products run 512 bits wide (probe.tune_wide_rows)
         # on a CPU, fewer threads while another process holds a core (bastion.threads); kept across
@@ -105,8 +107,15 @@ class Engine:
         return self.padding.rows(n) if cfg.pad_rows and self.padding is not None else n
 
     def cost(self, cfg: GenerationConfig, context: int) -> Callable[[int], float]:
-        """n ↦ predicted verify seconds of an n-node tree at this context, padding included."""
-        return lambda n: self.latency.predict(self.rows(cfg, n), context)
+        """n ↦ predicted verify seconds of an n-node tree at this context, padding included (plus the
+        host's b·n with ``cfg.node_cost``: :meth:`overhead` then leaves T_o's share that grows with n out)."""
+        b = self.host[cfg.strategy].line()[1] if cfg.node_cost and cfg.strategy in self.host else 0.0
+        return lambda n: self.latency.predict(self.rows(cfg, n), context) + b * n
+
+    def overhead(self, cfg: GenerationConfig, drafting: bool = True) -> float:
+        """The round's time that :meth:`cost` leaves out: T_d (when drafting) + T_o, or + a with ``cfg.node_cost``."""
+        t_o = self.host[cfg.strategy].line()[0] if cfg.node_cost and cfg.strategy in self.host else self.latency.overhead_s
+        return (self.latency.draft_s if drafting else 0.0) + t_o
 
     def _texts(self, req: Request, ids: list[int], final: bool) -> list[str]:
         """The text each new token adds (``TextStream``: a character spread over several tokens
@@ -135,7 +144,7 @@ class Engine:
         if self._conditions(cfg):
             rerank = Rerank(raw or vals, ids, self.prior, calib.scalar() if cfg.calibrate and calib else None)
         return best_first_from_topk(root, vals, ids, self._rule(cfg), self.cost(cfg, context),
-                                    self.latency.round_overhead(), raw, rerank, before_root)
+                                    self.overhead(cfg), raw, rerank, before_root)
 
     def _conditions(self, cfg: GenerationConfig) -> bool:
         """Whether cfg's trees re-weight each node's children by the datastore's n-grams. Greedy only:
@@ -235,7 +244,7 @@ class Engine:
                 out = self.target.forward_tree(plan.tokens, plan.mask, plan.pos)
             acc = self._accept(req, draft, plan, out, prefix, times)
             new, finish = self._emit(req, plan.tree, acc)
-            predicted, threads = self._learn(req, plan.rows, prefix, times, drafting)
+            predicted, threads = self._learn(req, plan, prefix, times, drafting)
             step = self._record(req, draft, plan, acc, new, finish, predicted, threads, times,
                                 time.perf_counter() - t_start - paused)
             t_yield = time.perf_counter()
@@ -300,7 +309,7 @@ class Engine:
             if req.gate is not None and drafting:
                 c1, cn = cost(1), cost(len(exp.tree))
                 req.gate.judge(exp.tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
-                               1.0 / max(self.latency.overhead_s + c1, 1e-12))
+                               1.0 / max(self.overhead(cfg, drafting=False) + c1, 1e-12))
             elif req.gate is not None:
                 exp.stop_reason = req.gate.reason()
             if drafting and len(topk[0]) < req.depth.full:
@@ -309,8 +318,7 @@ class Engine:
             for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
                 n_before = len(exp.tree)
                 prop.chain = extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost,
-                                              self.latency.round_overhead() if drafting
-                                              else self.latency.overhead_s, cfg.max_nodes,
+                                              self.overhead(cfg, drafting), cfg.max_nodes,
                                               limit - req.committed - 1, prop.source, prop.rates)
                 prop.reused = sum(1 for v in prop.chain if v < n_before)
             tree = exp.tree
@@ -362,10 +370,11 @@ class Engine:
             finish = "context limit"
         return new, finish
 
-    def _learn(self, req: Request, rows: int, prefix: int, times: StageTimes, drafting: bool) -> tuple[float, int]:
+    def _learn(self, req: Request, plan: Plan, prefix: int, times: StageTimes, drafting: bool) -> tuple[float, int]:
         """Feed this round's measured verification and overheads to the latency model, and its
         verification to the thread governor; returns (the prediction made before the measurement,
         the round's thread count)."""
+        rows = plan.rows
         predicted = self.latency.predict(rows, prefix)  # before this round's measurement
         self.latency.observe(rows, prefix, times.verify)
         threads = torch.get_num_threads()  # this round's
@@ -374,6 +383,7 @@ class Engine:
         if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
             torch.set_num_threads(governor.current)
         self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
+        self.host.setdefault(req.cfg.strategy, HostCost()).observe(len(plan.tree), times.build + times.commit)
         return predicted, threads
 
     def _record(self, req: Request, draft: Draft | None, plan: Plan, acc: Acceptance, new: list[int],

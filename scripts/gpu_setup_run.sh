@@ -19,4 +19,6 @@ else  # gpu_payload.py packs no drafter the repository tracks: start from the sh
     cp -r "${DRAFTER:-assets/drafter-smollm2-135m}" "$W/drafter"
 fi
 export PYTHONPATH=/tmp/site XDG_CACHE_HOME=/tmp/cache PYTHONUNBUFFERED=1
+# convert the GGUF once here, before gpu_train.sh starts its data clock (in session 43's call it ran on it)
+python3 -c 'from bastion.embedded import embedded_model_dir; print(embedded_model_dir())'
 NEW_PROMPTS=$NEW bash scripts/gpu_train.sh "$W" "$OUT" "$MINUTES" 2>&1 | tee "$OUT/train.log"

@@ -87,3 +87,6 @@ def test_embedded_model_end_to_end(tmp_path):
     assert full["token_ids"] == ar["token_ids"]
     assert all(len(x["draft_logq"]) == 15 for x in map(json.loads, full_trace.read_text().splitlines())
                if x.get("draft_logq"))
+    # --node-cost prices the host's per-node work (a GPU's lever): same tokens, as every strategy
+    priced = json.loads(cli("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--node-cost").stdout)
+    assert priced["token_ids"] == ar["token_ids"]

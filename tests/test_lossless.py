@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from tiny import OracleDrafter, tiny_drafter, tiny_target
+from tiny import OracleDrafter, hf_greedy, tiny_drafter, tiny_target
 
 STRATS = [("chain", {}), ("fixed", {"budget": 1}), ("fixed", {"budget": 7}), ("fixed", {"budget": 40}),
           ("bastion", {}), ("bastion", {"max_nodes": 3}), ("bastion", {"min_nodes": 20})]
-
-
-def hf_greedy(target, prompt, n):
-    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0].tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -101,3 +101,9 @@ class OracleDrafter:
                 rank = int(torch.randint(self.spread, (1,), generator=self.gen))
                 logits[i, self.reference[pos + i]] = top[rank] + 0.01
         return torch.log_softmax(logits * self.sharpness, dim=-1)
+
+
+def hf_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding of exactly n new tokens: the reference for lossless tests."""
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0].tolist()

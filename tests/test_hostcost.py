@@ -1,0 +1,83 @@
+"""HostCost (the host's build + commit time as a + b·n) and the engine's opt-in pricing of it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bastion.engine import Engine, GenerationConfig
+from bastion.hostcost import HostCost
+from tiny import OracleDrafter, hf_greedy, tiny_drafter, tiny_target
+
+
+def test_host_cost_fits_a_line_and_trusts_the_slope_only_once_sizes_spread():
+    """Exact data on a line gives the line back; equal sizes give no slope (their mean as a); a cost
+    that falls with n gives slope 0, never a negative one; NaN and empty trees are no measurements;
+    the fit follows a change of the host within a few dozen rounds (rate 0.05)."""
+    h = HostCost()
+    for i in range(200):
+        n = 1 + i % 20
+        h.observe(n, 0.002 + 1e-4 * n)
+    a, b = h.line()
+    assert math.isclose(a, 0.002, rel_tol=1e-9) and math.isclose(b, 1e-4, rel_tol=1e-9)
+
+    same = HostCost()
+    for _ in range(50):
+        same.observe(5, 0.003)
+    assert math.isclose(same.line()[0], 0.003, rel_tol=1e-12) and same.line()[1] == 0.0
+
+    falling = HostCost()
+    for i in range(100):
+        n = 1 + i % 10
+        falling.observe(n, 0.01 - 5e-4 * n)
+    assert falling.line()[1] == 0.0 and falling.line()[0] > 0
+
+    h.observe(3, float("nan"))
+    h.observe(0, 1.0)
+    assert math.isclose(h.line()[1], 1e-4, rel_tol=1e-9)
+    assert HostCost().line() == (0.0, 0.0)
+
+    for i in range(200):  # the host slows down: the line follows
+        n = 1 + i % 20
+        h.observe(n, 0.004 + 3e-4 * n)
+    a, b = h.line()
+    assert abs(a - 0.004) < 1e-4 and abs(b - 3e-4) < 1e-5
+
+
+class FixedHost(HostCost):
+    """A host whose per-node work is known and large (what a GPU's flat verification exposes)."""
+
+    def __init__(self, a: float, b: float):
+        super().__init__()
+        self.fixed = (a, b)
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        pass
+
+    def line(self) -> tuple[float, float]:
+        return self.fixed
+
+
+def test_node_cost_prices_host_work_per_node_shrinks_trees_and_stays_lossless():
+    """With ``node_cost`` the engine's cost adds b·n and its overhead takes a instead of T_o; a large b
+    shrinks Bastion's trees against the same engine without it; the output is AR's either way, and
+    the engine learns a HostCost per strategy from every round."""
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7]
+    full = hf_greedy(target, prompt, 40)
+    engine = Engine(target, OracleDrafter(tiny_drafter(target), full, target.vocab_size, hit=0.9, spread=3),
+                    kernels="torch", stop_ids=set())
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=40)).token_ids
+    plain = engine.run(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40))
+    assert set(engine.host) == {"ar", "bastion"} and engine.host["bastion"].sums[0] > 0
+
+    priced = GenerationConfig(strategy="bastion", max_new_tokens=40, node_cost=True)
+    engine.host["bastion"] = FixedHost(a=0.0005, b=0.05)
+    base = engine.cost(GenerationConfig(strategy="bastion"), 10)
+    assert math.isclose(engine.cost(priced, 10)(7) - base(7), 0.35, rel_tol=1e-9)
+    assert math.isclose(engine.overhead(priced), engine.latency.draft_s + 0.0005, rel_tol=1e-12)
+    assert engine.overhead(GenerationConfig(strategy="bastion"), drafting=False) == engine.latency.overhead_s
+    small = engine.run(prompt, priced)
+    assert plain.token_ids == ref and small.token_ids == ref
+    assert plain.mean_tree_size > 2.0 and small.mean_tree_size < plain.mean_tree_size / 2
