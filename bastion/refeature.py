@@ -115,13 +115,12 @@ def make_features(target: Target, out: Path, source: Path, batch: int) -> None:
     out_meta = meta | {"features": True, "features_from": source.name}
     _refuse_other_settings(out, out_meta, ("layer_ids", "features_from"))
     (out / "meta.json").write_text(json.dumps(out_meta))
-    for extra in ("requests.json",):  # the prompt list travels with the replies
-        if (source / extra).is_file() and not (out / extra).exists():
-            (out / extra).write_text((source / extra).read_text())
+    if (source / "requests.json").is_file() and not (out / "requests.json").exists():  # the prompts travel along
+        (out / "requests.json").write_text((source / "requests.json").read_text())
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     sizes = [len(torch.load(path, mmap=True)) for path in shards]  # ids only: small, for the progress bar
-    t0, seen = time.time(), 0
+    t0, seen, total = time.time(), 0, sum(sizes)
     for s, path in enumerate(shards):
         dest = out / path.name
         if dest.exists():
@@ -136,6 +135,6 @@ def make_features(target: Target, out: Path, source: Path, batch: int) -> None:
                             pad, features=True, check=True)
             done.update(zip(idx, made))
             seen += len(idx)
-            progress(seen, sum(sizes), t0, f"shard {s + 1}/{len(shards)}")
+            progress(seen, total, t0, f"shard {s + 1}/{len(shards)}")
         atomic_save([done[i] for i in range(len(recs))], dest)
     print(file=sys.stderr)
