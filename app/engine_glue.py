@@ -314,7 +314,9 @@ class Runtime:
         cost = verify_cost(latency, calib, c)
         ids = set(step.tree.tokens) | set(step.choices) | set(step.tokens) | {step.bonus}
         ids.update(i for row in step.draft_ids for i in row)
-        rec.update(calib=calib, clock_s=round(clock, 6), overhead_s=round(latency.round_overhead(), 6),
+        # the T its decisions used (each setting keeps its own; the snapshot's is the engine's over all)
+        overhead = step.round_overhead_s or latency.round_overhead()
+        rec.update(calib=calib, clock_s=round(clock, 6), overhead_s=round(overhead, 6),
                    root_cost_s=cost(1), texts=self.texts(ids))
         if not step.trace:
             rec["cost_curve"] = [round(cost(n), 7) for n in range(1, len(step.tree) + 1)]

@@ -6,7 +6,9 @@
 every strategy in turn, the turn starting one place later on every prompt: drift of a shared machine
 (heat, other jobs) hits all strategies alike and none always runs first. AR always runs: it is the
 reference for speedup and token equality. One engine serves every strategy, as in a serving process:
-its online latency calibration carries over from run to run.
+its online calibration of the verification cost C(n) — the host's, whatever the strategy — carries
+over from run to run, while the draft and host times T_d and T_o that the throughput rule adds to it
+are each strategy's own (``LatencyModel.overheads``), so no strategy plans with another's.
 
 **Two drafters** (``--drafter-b DIR``): a second engine on the same target, with that drafter and the
 datastore stored beside it, runs every strategy whose name ends in ``@b`` (``bastion@b``, ``chain@b``)

@@ -4,7 +4,7 @@ and the command line all read the same settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .verify import SamplingParams
 
@@ -53,6 +53,11 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def setting(self) -> GenerationConfig:
+        """This config less what only names one request (its length and seed): the key under which the
+        latency model keeps a setting's own draft and host times (``LatencyModel.overheads``)."""
+        return replace(self, max_new_tokens=0, seed=0)
 
 
 def stop_token_ids(tokenizer, model_config=None) -> set[int]:

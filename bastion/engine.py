@@ -114,12 +114,12 @@ class Engine:
 
     def overhead(self, cfg: GenerationConfig, drafting: bool = True) -> float:
         """The round's time that :meth:`cost` leaves out: T_d (when drafting) + T_o, or + a with ``cfg.node_cost``."""
-        t_o = self.host[cfg.strategy].line()[0] if cfg.node_cost and cfg.strategy in self.host else self.latency.overhead_s
-        return (self.latency.draft_s if drafting else 0.0) + t_o
+        t_d, t_o = self.latency.overheads(cfg.setting())  # this setting's own (the benchmark runs several)
+        t_o = self.host[cfg.strategy].line()[0] if cfg.node_cost and cfg.strategy in self.host else t_o
+        return (t_d if drafting else 0.0) + t_o
 
     def _texts(self, req: Request, ids: list[int], final: bool) -> list[str]:
-        """The text each new token adds (``TextStream``: a character spread over several tokens
-        arrives whole with its last one), or the ids themselves without a tokenizer."""
+        """Each new token's text (``TextStream``: a split character comes whole with its last token), or its id."""
         return req.text.pieces(ids, final) if req.text is not None else [str(i) for i in ids]
 
     def _rule(self, cfg: GenerationConfig) -> BudgetRule:
@@ -382,7 +382,7 @@ class Engine:
         governor = req.governor
         if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
             torch.set_num_threads(governor.current)
-        self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit)
+        self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit, setting=req.cfg.setting())
         self.host.setdefault(req.cfg.strategy, HostCost()).observe(len(plan.tree), times.build + times.commit)
         return predicted, threads
 

@@ -37,6 +37,13 @@ from .hardware import HardwareSpec, ModelSpec
 SLOPE_RATIO = 4.0  # tree sizes this far apart identify C(n)'s slope
 
 
+def _running(old: tuple[float, float], draft_s: float | None, overhead_s: float, rate: float) -> tuple[float, float]:
+    """(T_d, T_o) moved toward one round's times by ``rate`` (a 0 starts at the first time; None: no draft)."""
+    def step(avg: float, x: float) -> float:
+        return x if avg == 0.0 else avg + rate * (x - avg)
+    return (old[0] if draft_s is None else step(old[0], draft_s)), step(old[1], overhead_s)
+
+
 def _spans(points: list[tuple[int, int, float]], ratio: float = SLOPE_RATIO) -> bool:
     """Whether the points' tree sizes lie at least ``ratio`` apart (so a fit can tell the slope)."""
     sizes = [s for s, _, _ in points]
@@ -86,6 +93,9 @@ class LatencyModel:
     # of AR steps or of similar trees has pushed them out (sizes left < 4x apart), reanchor() feeds
     # them in again at the host's present speed, so one probe serves an engine's whole life.
     anchors: list[tuple[int, int, float]] = field(default_factory=list)
+    # each setting's own (T_d, T_o) (``observe_overheads(..., setting=)``), newest last; not persisted
+    per_setting: dict = field(default_factory=dict, repr=False)
+    max_settings: int = 64  # a long-lived app sees many; the oldest is dropped past this
     _unfit: int = field(default=0, repr=False)  # samples since the last refit
     _probe_shape: tuple[int, dict[int, float]] | None = field(default=None, repr=False)  # (table size, b(u))
 
@@ -112,6 +122,16 @@ class LatencyModel:
     def round_overhead(self) -> float:
         """T_d + T_o: the part of a round that does not grow with the tree."""
         return self.draft_s + self.overhead_s
+
+    def overheads(self, setting=None) -> tuple[float, float]:
+        """(T_d, T_o) for ``setting``: its own running averages once it has run a round (with a draft,
+        for T_d), else the engine's over every setting. Both depend on the setting, not only on the
+        host — the draft's depth, the tree's size and its build — so one setting's rounds must not
+        set another's: in a benchmark where ``fixed:64`` ran before Bastion on a GPU, Bastion started
+        from ``fixed:64``'s 4-ms host time, grew larger trees, and its own host time then grew with
+        them (bench/NOTES.md, session 43)."""
+        draft_s, overhead_s = self.per_setting.get(setting, (0.0, 0.0))
+        return draft_s or self.draft_s, overhead_s or self.overhead_s
 
     # ------------------------------------------------------------- calibration
     def observe(self, s: int, c: int, seconds: float) -> None:
@@ -173,12 +193,17 @@ class LatencyModel:
         for s, c, seconds in points:
             self.shape[int(s)] = seconds / max(self.roofline(s, c), 1e-12)
 
-    def observe_overheads(self, draft_s: float | None, overhead_s: float, rate: float = 0.2) -> None:
-        """Exponential running averages of T_d and T_o. ``draft_s`` None: the round drafted nothing
-        (AR, or a skipped draft), which says nothing about T_d and must not pull it toward 0."""
-        self.overhead_s = overhead_s if self.overhead_s == 0.0 else self.overhead_s + rate * (overhead_s - self.overhead_s)
-        if draft_s is not None:
-            self.draft_s = draft_s if self.draft_s == 0.0 else self.draft_s + rate * (draft_s - self.draft_s)
+    def observe_overheads(self, draft_s: float | None, overhead_s: float, rate: float = 0.2, setting=None) -> None:
+        """Exponential running averages of T_d and T_o, the engine's and, with ``setting`` (any hashable:
+        the engine passes its generation settings), that setting's own (:meth:`overheads`). ``draft_s``
+        None: the round drafted nothing (AR, or a skipped draft), which says nothing about T_d and must
+        not pull it toward 0."""
+        self.draft_s, self.overhead_s = _running((self.draft_s, self.overhead_s), draft_s, overhead_s, rate)
+        if setting is not None:
+            own = self.per_setting.pop(setting, (0.0, 0.0))
+            self.per_setting[setting] = _running(own, draft_s, overhead_s, rate)  # re-inserted: newest last
+            if len(self.per_setting) > self.max_settings:
+                del self.per_setting[next(iter(self.per_setting))]
 
     def _refit(self, iterations: int = 3) -> None:
         self._unfit, self._probe_shape = 0, None

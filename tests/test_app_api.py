@@ -163,7 +163,7 @@ def test_replan_on_this_machine_reproduces_bastions_trees():
     for s in range(1, 65):
         latency.observe(s, 20, 1e-3 + 2e-4 * s)
     latency.observe_overheads(1e-3, 1e-3)
-    latency.observe = latency.observe_overheads = latency.observe_many = lambda *args: None
+    latency.observe = latency.observe_overheads = latency.observe_many = lambda *args, **kwargs: None
     # and a fixed (identity) row padding: the probe would time this machine and pad by what it saw
     rt.engine.padding = RowPadding.from_times([1e-3 * m for m in range(1, 17)])
     run = _full_run(rt, max_new_tokens=24, baseline=False)

@@ -77,7 +77,30 @@ def test_node_cost_prices_host_work_per_node_shrinks_trees_and_stays_lossless():
     base = engine.cost(GenerationConfig(strategy="bastion"), 10)
     assert math.isclose(engine.cost(priced, 10)(7) - base(7), 0.35, rel_tol=1e-9)
     assert math.isclose(engine.overhead(priced), engine.latency.draft_s + 0.0005, rel_tol=1e-12)
-    assert engine.overhead(GenerationConfig(strategy="bastion"), drafting=False) == engine.latency.overhead_s
+    own = engine.latency.overheads(GenerationConfig(strategy="bastion").setting())
+    assert engine.overhead(GenerationConfig(strategy="bastion"), drafting=False) == own[1] > 0
     small = engine.run(prompt, priced)
     assert plain.token_ids == ref and small.token_ids == ref
     assert plain.mean_tree_size > 2.0 and small.mean_tree_size < plain.mean_tree_size / 2
+
+
+def test_a_setting_plans_with_its_own_round_times_whatever_ran_before():
+    """T_d and T_o of one setting come from that setting's rounds only (a benchmark runs several
+    strategies on one engine): a ``fixed:16`` request leaves Bastion's overhead exactly as it was while
+    the engine's average over every setting moves; the request's length and seed are not part of the
+    setting; a setting that has not run yet plans with the engine's average."""
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = [3, 5, 7]
+    full = hf_greedy(target, prompt, 24)
+    engine = Engine(target, OracleDrafter(tiny_drafter(target), full, target.vocab_size, hit=0.9, spread=3),
+                    kernels="torch", stop_ids=set())
+    bastion = GenerationConfig(strategy="bastion", max_new_tokens=24)
+    assert engine.overhead(bastion) == engine.latency.round_overhead() == 0.0
+    assert engine.run(prompt, bastion).token_ids == full[len(prompt):]
+    before, average = engine.overhead(bastion), engine.latency.round_overhead()
+    assert before > 0
+    engine.run(prompt, GenerationConfig(strategy="fixed", budget=16, max_new_tokens=24, seed=5))
+    assert engine.overhead(bastion) == before
+    assert engine.overhead(GenerationConfig(strategy="bastion", max_new_tokens=7, seed=3)) == before
+    assert engine.latency.round_overhead() != average
+    assert engine.overhead(GenerationConfig(strategy="bastion", condition=False)) == engine.latency.round_overhead()

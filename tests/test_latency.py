@@ -1,5 +1,6 @@
 """Online calibration of the roofline recovers known parameters; its error falls with data."""
 
+import math
 import random
 
 import torch
@@ -134,6 +135,30 @@ def test_rounds_without_a_draft_leave_the_draft_time_alone():
     assert lm.draft_s == 0.02 and abs(lm.overhead_s - 0.003) < 1e-6
     lm.observe_overheads(0.04, 0.003)
     assert abs(lm.draft_s - 0.024) < 1e-9
+
+
+def test_each_setting_keeps_its_own_draft_and_host_times():
+    """``overheads(setting)``: the engine's averages until the setting's first round (its first draft,
+    for T_d), then only its own rounds move it — another setting's rounds move the engine's averages
+    and their own, never this one's; past ``max_settings`` the least recently seen is dropped."""
+    lm = LatencyModel(spec(), HardwareSpec("fake", 200e9, 25e9), max_settings=3)
+    lm.observe_overheads(0.010, 0.004, setting="fixed:64")
+    assert lm.overheads("bastion") == (0.010, 0.004) == lm.overheads(None)  # nothing of its own yet
+    lm.observe_overheads(None, 0.001, setting="bastion")  # a round without a draft
+    assert lm.overheads("bastion") == (lm.draft_s, 0.001)
+    lm.observe_overheads(0.003, 0.001, setting="bastion")
+    own = lm.overheads("bastion")
+    assert own == (0.003, 0.001)
+    for _ in range(20):
+        lm.observe_overheads(0.010, 0.004, setting="fixed:64")
+    assert lm.overheads("bastion") == own  # untouched by the other setting
+    assert abs(lm.overhead_s - 0.004) < 1e-4 and abs(lm.overheads("fixed:64")[1] - 0.004) < 1e-12
+    lm.observe_overheads(0.003, 0.002, setting="bastion")
+    assert math.isclose(lm.overheads("bastion")[1], 0.001 + 0.2 * 0.001, rel_tol=1e-12)
+    lm.observe_overheads(0.001, 0.001, setting="chain")
+    lm.observe_overheads(0.001, 0.001, setting="ar")  # a fourth: "fixed:64", seen longest ago, goes
+    assert list(lm.per_setting) == ["bastion", "chain", "ar"]
+    assert lm.overheads("fixed:64") == (lm.draft_s, lm.overhead_s)
 
 
 def test_row_padding_takes_the_cheapest_nearby_row_count():
