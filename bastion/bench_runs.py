@@ -19,12 +19,14 @@ from .report import Run
 
 def run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list[dict], tag: dict) -> Run:
     """One run of ``cfg`` on the prompt ids through the engine: its :class:`Run`, and one row per round
-    (tree size, rows, context, tokens, predicted and measured verify time, threads) appended to
-    ``rows`` under ``tag`` — the benchmark's per-round log, ``rounds.csv.gz``."""
+    (tree size, rows, context, tokens, predicted and measured verify time, threads, the T = T_d + T_o
+    its decisions used, and its measured draft and host — build + commit — times) appended to ``rows``
+    under ``tag`` — the benchmark's per-round log, ``rounds.csv.gz``."""
     steps = list(engine.generate(ids, cfg))
     res = engine.summarize(steps, len(ids))
     rows.extend(dict(tag, round=s.index, tree_size=len(s.tree), rows=s.rows, context=s.context_len, tokens=len(s.tokens),
-                     predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s, threads=s.threads)
+                     predicted_s=s.predicted_verify_s, measured_s=s.measured_verify_s, threads=s.threads,
+                     overhead_s=s.round_overhead_s, draft_s=s.times.draft, host_s=s.times.build + s.times.commit)
                 for s in steps)
     errors = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
               for s in steps[10:] if s.measured_verify_s > 0]

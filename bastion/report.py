@@ -133,7 +133,7 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
 
 # --------------------------------------------------------------------- report
 ROUND_FIELDS = ["strategy", "category", "prompt", "repeat", "round", "tree_size", "rows", "context", "tokens",
-                "predicted_s", "measured_s", "threads"]
+                "predicted_s", "measured_s", "threads", "overhead_s", "draft_s", "host_s"]
 
 
 def write_report(out: BenchOutput, folder: Path) -> list[Path]:

@@ -80,6 +80,10 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
         rounds = list(csv.DictReader(fh))
     assert len(rounds) > 5 * 2 * 5 and {r["strategy"] for r in rounds} >= {"ar", "chain", "bastion"}
     assert all(float(r["measured_s"]) > 0 and int(r["tree_size"]) >= 1 and int(r["threads"]) >= 1 for r in rounds)
+    # each round's measured host time, and the T a drafted Bastion round planned with (AR and the chain plan nothing)
+    assert all(float(r["host_s"]) > 0 and float(r["draft_s"]) >= 0 for r in rounds)
+    planned = [float(r["overhead_s"]) for r in rounds if r["strategy"] == "bastion" and float(r["draft_s"]) > 0]
+    assert planned and all(t > 0 for t in planned)
     for png in ("speedup_by_category.png", "tau_vs_tree_size.png", "verify_latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| bastion |" in capsys.readouterr().out

@@ -124,6 +124,37 @@ def test_make_requests_fails_loudly_when_the_model_cannot_write_requests():
     assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is left as it was
 
 
+def test_nucleus_sampler_draws_from_transformers_top_p_nucleus_in_proportion():
+    """``NucleusSampler`` (the request writer's sampler): each row's nucleus is the set transformers'
+    own top-p warper keeps — rows from one token to ~2,900 of 3,000, so the growing top-k search
+    runs past its first rounds — and its draws follow softmax renormalised over the nucleus (20,000
+    draws of one row: every token within 4 standard errors of its probability, none outside)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from bastion.traindata import NucleusSampler
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3000, generator=g) * torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0, 40.0])[:, None]
+    kept = TopPLogitsWarper(0.9)(None, x.clone()) > float("-inf")
+    sizes = kept.sum(dim=-1)
+    assert sizes.min() == 1 and sizes.max() > 2000
+    torch.manual_seed(1)
+    for _ in range(20):  # every draw lies in its row's nucleus
+        out = NucleusSampler(0.9)(None, x)
+        pick = out.argmax(dim=-1)
+        assert (out == 0).sum() == 6 and kept[torch.arange(6), pick].all()
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, -6.0, -9.0])
+    n = 20_000
+    torch.manual_seed(2)
+    pick = NucleusSampler(0.9)(None, row.expand(n, -1)).argmax(dim=-1)
+    nucleus = TopPLogitsWarper(0.9)(None, row[None].clone())[0] > float("-inf")
+    want = torch.softmax(row.masked_fill(~nucleus, float("-inf")), dim=-1)
+    got = torch.bincount(pick, minlength=len(row)).double() / n
+    assert 3 <= int(nucleus.sum()) < len(row)
+    se = (want.double() * (1 - want.double()) / n).sqrt()
+    assert ((got - want.double()).abs() <= 4 * se + 1e-12).all(), (got, want)
+
+
 @pytest.mark.slow
 def test_self_corpus_is_written_once_and_extended(tmp_path):
     """The embedded target writes its own requests; requests.json is reused, and a larger n appends."""
