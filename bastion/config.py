@@ -56,8 +56,13 @@ class GenerationConfig:
 
     def setting(self) -> GenerationConfig:
         """This config less what only names one request (its length and seed): the key under which the
-        latency model keeps a setting's own draft and host times (``LatencyModel.overheads``)."""
-        return replace(self, max_new_tokens=0, seed=0)
+        latency model keeps a setting's own draft and host times (``LatencyModel.overheads``). Made once
+        per config (the round loop asks several times a round; a ``replace`` costs ~7 µs)."""
+        key = self.__dict__.get("_setting")
+        if key is None:
+            key = replace(self, max_new_tokens=0, seed=0)
+            object.__setattr__(self, "_setting", key)  # a cache, not a field: eq, hash and replace ignore it
+        return key
 
 
 def stop_token_ids(tokenizer, model_config=None) -> set[int]:

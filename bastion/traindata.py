@@ -98,8 +98,8 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
     """`n` distinct requests written by the target itself (the "self" corpus).
 
     Each round samples (T = 1, top-p 0.95 by :class:`NucleusSampler`, torch seeded with seed + round)
-    continuations of `batch` raw few-shot lists (``corpus.request_prompt``; categories in turn, so the corpus stays balanced)
-    and keeps the complete, distinct requests ``corpus.parse_requests`` finds. Raises if `max_rounds`
+    continuations of `batch` raw few-shot lists (``corpus.request_prompt``; categories in turn, so the
+    corpus stays balanced) and keeps the complete, distinct requests ``corpus.parse_requests`` finds. Raises if `max_rounds`
     (default: enough for 4 tries per request) pass without `n` usable requests — a model that cannot
     write requests (e.g. a random one) fails loudly instead of looping. ``model``: what samples (default
     the target's own; ``make_data`` passes a bf16 copy for ``gen_dtype``)."""
