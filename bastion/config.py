@@ -64,6 +64,15 @@ class GenerationConfig:
             object.__setattr__(self, "_setting", key)  # a cache, not a field: eq, hash and replace ignore it
         return key
 
+    def builder(self) -> GenerationConfig:
+        """The setting less ``node_cost``: the key of the host's per-node line (``hostcost.HostCosts``) —
+        the same trees cost the same to build and commit whether or not the rule prices them."""
+        key = self.__dict__.get("_builder")
+        if key is None:
+            key = replace(self.setting(), node_cost=False)
+            object.__setattr__(self, "_builder", key)
+        return key
+
 
 def stop_token_ids(tokenizer, model_config=None) -> set[int]:
     """EOS ids of the generation config and tokenizer, plus chat end-of-turn tokens in the vocabulary."""

@@ -23,7 +23,7 @@ from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, cha
 from .kernels import get_kernels
 from .kernels.reference import GumbelRows
 from .hardware import ModelSpec, hardware_for
-from .hostcost import HostCost
+from .hostcost import HostCosts
 from .latency import LatencyModel, RowPadding
 from .loading import freeze_heap
 from .lookup import CopySources, LookupStats
@@ -68,7 +68,7 @@ class Engine:
         # one calibrator per acceptance rule: T = 0 and each (T, top-k, top-p) accept differently
         self.calibrators: dict[tuple, AcceptanceCalibrator] = {}
         self.lookup_stats: dict[tuple, LookupStats] = {}
-        self.host: dict[str, HostCost] = {}  # per strategy: build + commit seconds as a + b·n (hostcost.py)
+        self.host = HostCosts()  # per kind of tree: build + commit seconds as a + b·n (hostcost.py)
         self.padding: RowPadding | None = None  # measured by probe_latency
         self.wide_rows: int | None = None  # the row counts whose exact products run 512 bits wide (probe.tune_wide_rows)
         # on a CPU, fewer threads while another process holds a core (bastion.threads); kept across
@@ -109,13 +109,13 @@ class Engine:
     def cost(self, cfg: GenerationConfig, context: int) -> Callable[[int], float]:
         """n ↦ predicted verify seconds of an n-node tree at this context, padding included (plus the
         host's b·n with ``cfg.node_cost``: :meth:`overhead` then leaves T_o's share that grows with n out)."""
-        b = self.host[cfg.strategy].line()[1] if cfg.node_cost and cfg.strategy in self.host else 0.0
+        b = (self.host.line(cfg.builder()) or (0.0, 0.0))[1] if cfg.node_cost else 0.0
         return lambda n: self.latency.predict(self.rows(cfg, n), context) + b * n
 
     def overhead(self, cfg: GenerationConfig, drafting: bool = True) -> float:
         """The round's time that :meth:`cost` leaves out: T_d (when drafting) + T_o, or + a with ``cfg.node_cost``."""
         t_d, t_o = self.latency.overheads(cfg.setting())  # this setting's own (the benchmark runs several)
-        t_o = self.host[cfg.strategy].line()[0] if cfg.node_cost and cfg.strategy in self.host else t_o
+        t_o = (self.host.line(cfg.builder()) or (t_o,))[0] if cfg.node_cost else t_o  # T_o until its first round
         return (t_d if drafting else 0.0) + t_o
 
     def _texts(self, req: Request, ids: list[int], final: bool) -> list[str]:
@@ -383,7 +383,7 @@ class Engine:
         if governor is not None and governor.observe(times.verify, self.latency.anchored(rows, prefix)) != threads:
             torch.set_num_threads(governor.current)
         self.latency.observe_overheads(times.draft if drafting else None, times.build + times.commit, setting=req.cfg.setting())
-        self.host.setdefault(req.cfg.strategy, HostCost()).observe(len(plan.tree), times.build + times.commit)
+        self.host.observe(req.cfg.builder(), len(plan.tree), times.build + times.commit)
         return predicted, threads
 
     def _record(self, req: Request, draft: Draft | None, plan: Plan, acc: Acceptance, new: list[int],

@@ -5,9 +5,11 @@ accepted — as one running number a round. Where the verification C(n) grows wi
 row on the 2-core Zen 4) that is harmless. Where it does not (a 135M model on a GPU: one to 64 rows
 in ~18 ms, session 43's H100 run), the rule grows the tree until the host's own per-node work eats the
 gain: Bastion's 95-node trees spent 10.5 ms building and 3.4 committing of a 35.8-ms round, and ran
-1.45× AR against `fixed:64`'s 1.91× (bench/NOTES.md). :class:`HostCost` fits that work per strategy
-(their trees cost differently per node: re-weighted children, copy branches) so the rule can price it:
-S_n / (T_d + a + b·n + C(n)) (``GenerationConfig.node_cost``; off by default until a GPU has measured it).
+1.45× AR against `fixed:64`'s 1.91× (bench/NOTES.md). :class:`HostCost` fits that work, one line per
+kind of tree (:class:`HostCosts`, keyed by ``GenerationConfig.builder()``: strategies and their options
+cost differently per node — re-weighted children, copy branches, sampled commits), so the rule can
+price it: S_n / (T_d + a + b·n + C(n)) (``GenerationConfig.node_cost``; off by default until a GPU has
+measured it).
 """
 
 from __future__ import annotations
@@ -48,3 +50,23 @@ class HostCost:
         if var >= self.min_spread ** 2:
             slope = max(0.0, (sno / w - mean_n * mean_o) / var)
         return max(0.0, mean_o - slope * mean_n), slope
+
+
+@dataclass
+class HostCosts:
+    """One :class:`HostCost` per kind of tree, the newest ``max_kinds`` kept (a long-lived app sees many)."""
+
+    max_kinds: int = 64
+    lines: dict = field(default_factory=dict)
+
+    def observe(self, kind, nodes: int, seconds: float) -> None:
+        cost = self.lines.pop(kind, None) or HostCost()
+        cost.observe(nodes, seconds)
+        self.lines[kind] = cost  # re-inserted: newest last
+        if len(self.lines) > self.max_kinds:
+            del self.lines[next(iter(self.lines))]
+
+    def line(self, kind) -> tuple[float, float] | None:
+        """(a, b) of this kind of tree, or None before its first round."""
+        cost = self.lines.get(kind)
+        return cost.line() if cost is not None else None

@@ -7,7 +7,7 @@ import math
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from bastion.hostcost import HostCost
+from bastion.hostcost import HostCost, HostCosts
 from tiny import OracleDrafter, hf_greedy, tiny_drafter, tiny_target
 
 
@@ -62,7 +62,7 @@ class FixedHost(HostCost):
 def test_node_cost_prices_host_work_per_node_shrinks_trees_and_stays_lossless():
     """With ``node_cost`` the engine's cost adds b·n and its overhead takes a instead of T_o; a large b
     shrinks Bastion's trees against the same engine without it; the output is AR's either way, and
-    the engine learns a HostCost per strategy from every round."""
+    the engine learns a HostCost per kind of tree from every round."""
     target = tiny_target("llama", dtype=torch.float64)
     prompt = [3, 5, 7]
     full = hf_greedy(target, prompt, 40)
@@ -70,10 +70,12 @@ def test_node_cost_prices_host_work_per_node_shrinks_trees_and_stays_lossless():
                     kernels="torch", stop_ids=set())
     ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=40)).token_ids
     plain = engine.run(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40))
-    assert set(engine.host) == {"ar", "bastion"} and engine.host["bastion"].sums[0] > 0
+    kinds = {GenerationConfig(strategy=s).builder() for s in ("ar", "bastion")}
+    assert set(engine.host.lines) == kinds
+    assert engine.host.lines[GenerationConfig(strategy="bastion").builder()].sums[0] > 0
 
     priced = GenerationConfig(strategy="bastion", max_new_tokens=40, node_cost=True)
-    engine.host["bastion"] = FixedHost(a=0.0005, b=0.05)
+    engine.host.lines[priced.builder()] = FixedHost(a=0.0005, b=0.05)
     base = engine.cost(GenerationConfig(strategy="bastion"), 10)
     assert math.isclose(engine.cost(priced, 10)(7) - base(7), 0.35, rel_tol=1e-9)
     assert math.isclose(engine.overhead(priced), engine.latency.draft_s + 0.0005, rel_tol=1e-12)
@@ -104,3 +106,34 @@ def test_a_setting_plans_with_its_own_round_times_whatever_ran_before():
     assert engine.overhead(GenerationConfig(strategy="bastion", max_new_tokens=7, seed=3)) == before
     assert engine.latency.round_overhead() != average
     assert engine.overhead(GenerationConfig(strategy="bastion", condition=False)) == engine.latency.round_overhead()
+
+
+def test_each_kind_of_tree_keeps_its_own_host_line_priced_or_not():
+    """The host's line is keyed by the setting less ``node_cost`` (``GenerationConfig.builder``): Bastion
+    with and without the n-gram re-weighting learn apart (their trees cost differently per node), a
+    priced request reads the unpriced twin's line, length and seed do not matter; a kind with no round
+    yet prices nothing (b = 0, T_o as usual); the table keeps the newest ``max_kinds``."""
+    plain = GenerationConfig(strategy="bastion")
+    assert GenerationConfig(strategy="bastion", node_cost=True, max_new_tokens=9, seed=4).builder() == plain.builder()
+    assert GenerationConfig(strategy="bastion", condition=False).builder() != plain.builder()
+    assert plain.builder() is plain.builder()  # made once per config
+
+    costs = HostCosts(max_kinds=2)
+    assert costs.line(plain.builder()) is None
+    for i in range(40):
+        costs.observe(plain.builder(), 1 + i % 8, 0.001 + 1e-4 * (1 + i % 8))
+        costs.observe(GenerationConfig(strategy="bastion", condition=False).builder(), 1 + i % 8, 0.005)
+    a, b = costs.line(plain.builder())
+    assert math.isclose(a, 0.001, rel_tol=1e-6) and math.isclose(b, 1e-4, rel_tol=1e-6)
+    other = costs.line(GenerationConfig(strategy="bastion", condition=False).builder())
+    assert math.isclose(other[0], 0.005, rel_tol=1e-9) and other[1] == 0.0
+    costs.observe(GenerationConfig(strategy="fixed").builder(), 4, 0.002)  # a third kind: the oldest goes
+    assert costs.line(plain.builder()) is None and len(costs.lines) == 2
+
+    target = tiny_target("llama", dtype=torch.float64)
+    engine = Engine(target, OracleDrafter(tiny_drafter(target), [3, 5, 7] * 4, target.vocab_size),
+                    kernels="torch", stop_ids=set())
+    priced = GenerationConfig(strategy="bastion", node_cost=True)
+    engine.host.lines[GenerationConfig(strategy="bastion", condition=False).builder()] = FixedHost(a=0.0005, b=0.05)
+    assert engine.cost(priced, 10)(7) == engine.cost(plain, 10)(7)  # another kind's line is not this one's
+    assert engine.overhead(priced) == engine.overhead(plain)
