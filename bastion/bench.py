@@ -275,6 +275,9 @@ def add_parser(sub) -> None:
     b.add_argument("--drafter-linear", choices=MODES, default=None,
                    help="the drafter's products (default: native-bf16 with --linear native — the packed kernel "
                         "in bf16 where the CPU has AVX512-BF16, a draft being only a proposal — else --linear's)")
+    b.add_argument("--drafter-linear-b", choices=MODES, default=None,
+                   help="the products of --drafter-b's drafter (default: --drafter-linear's): with the same "
+                        "folder as --drafter, an A/B of the drafter's arithmetic within one run")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -310,6 +313,9 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
     b_names = [s.name for s in strategies if s.drafter_b]
     if b_names and a.drafter_b is None and engine_b is None:
         raise BenchError(f"{', '.join(b_names)} run on a second drafter: pass --drafter-b DIR")
+    if getattr(a, "drafter_linear_b", None) and a.drafter_b is None:
+        raise BenchError("--drafter-linear-b sets the products of --drafter-b's drafter: pass --drafter-b DIR "
+                         "(the same folder as --drafter for an A/B of the arithmetic alone)")
     if a.drafter_b is not None and not b_names:
         raise BenchError("--drafter-b is only read by strategies named NAME@b: add some, as in "
                          "--strategies ar,bastion,bastion@b")
@@ -364,12 +370,12 @@ def _load_engine(a, strategies: list[Strategy], dtype: torch.dtype) -> Engine:
 def _load_engine_b(a, engine: Engine) -> Engine:
     """The engine of ``--drafter-b`` on ``engine``'s target (each request captures its own drafter's
     feature layers: :meth:`Engine.generate`)."""
-    return _engine_on(a, engine.target, a.drafter_b, " --drafter-b")
+    return _engine_on(a, engine.target, a.drafter_b, " --drafter-b", getattr(a, "drafter_linear_b", None))
 
 
-def _engine_on(a, target, drafter_name: str | None, flag: str) -> Engine:
+def _engine_on(a, target, drafter_name: str | None, flag: str, mode: str | None = None) -> Engine:
     """An engine on ``target`` with the named drafter (the shipped one for the embedded model when None)
-    and the datastore stored beside it, the drafter's products in :func:`drafter_linear`'s mode."""
+    and the datastore stored beside it, the drafter's products in ``mode`` (default :func:`drafter_linear`'s)."""
     from .loading import load_default_datastore, load_default_drafter
 
     try:
@@ -378,7 +384,7 @@ def _engine_on(a, target, drafter_name: str | None, flag: str) -> Engine:
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load{flag}: {exc}") from None
     if drafter is not None:
-        use_skinny_linear(drafter, drafter_linear(a))
+        use_skinny_linear(drafter, mode or drafter_linear(a))
     return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
 
 
@@ -397,7 +403,8 @@ def _command(a, out_dir: Path) -> str:
             "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels,
             "--linear", a.linear, "--drafter-linear", drafter_linear(a)]
     for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
-                        ("--drafter-b", a.drafter_b), ("--device", a.device)):
+                        ("--drafter-b", a.drafter_b), ("--drafter-linear-b", getattr(a, "drafter_linear_b", None)),
+                        ("--device", a.device)):
         if value is not None:
             argv += [flag, str(value)]
     if a.hf_baselines:

@@ -115,6 +115,27 @@ def test_drafter_b_runs_its_strategies_on_a_second_engine_in_the_same_turns(tmp_
         assert {"bastion", "bastion@b", "chain@b"} <= {r["strategy"] for r in csv.DictReader(fh)}
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="the packed kernel could not be built here")
+def test_drafter_linear_b_sets_the_second_drafters_products_only(tmp_path):
+    """``--drafter-linear-b`` runs ``--drafter-b``'s drafter in its own mode — with one folder for both, an
+    A/B of the drafter's arithmetic within one run —, the first engine keeps ``--drafter-linear``'s, and
+    the recorded command repeats it."""
+    from bastion.bench_runs import linear_mode
+    from bastion.drafter_io import save_drafter
+
+    target = tiny_target("llama", dtype=torch.float32, seed=3)
+    save_drafter(tiny_drafter(target), tmp_path / "d")
+    a = bench_args("--drafter", str(tmp_path / "d"), "--drafter-b", str(tmp_path / "d"), "--strategies",
+                   "ar,bastion,bastion@b", "--drafter-linear", "native-bf16", "--drafter-linear-b", "native-f32")
+    engine = bench._engine_on(a, target, a.drafter, "")
+    engine_b = bench._load_engine_b(a, engine)
+    assert linear_mode(engine.drafter).startswith("native-bf16")
+    assert linear_mode(engine_b.drafter).startswith("native-f32")
+    assert "--drafter-linear-b native-f32" in bench._command(a, tmp_path / "out")
+    plain = bench_args("--drafter-b", str(tmp_path / "d"), "--strategies", "bastion@b", "--drafter-linear", "native-f32")
+    assert linear_mode(bench._load_engine_b(plain, engine).drafter).startswith("native-f32")  # default: --drafter-linear's
+
+
 def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     found = {s.name: s for s in bench.parse_strategies("bastion,bastion@b,fixed:8@b,bastion:nods:nopad@b")}
     assert list(found) == ["ar", "bastion", "bastion@b", "fixed:8@b", "bastion:nods:nopad@b"]
@@ -147,6 +168,7 @@ def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     (["--strategies", "ar@b"], "only drafting strategies run on --drafter-b"),
     (["--strategies", "hf_generate@b"], "only drafting strategies run on --drafter-b"),
     (["--strategies", "ar,bastion", "--drafter-b", "{good}"], "strategies named NAME@b"),
+    (["--strategies", "ar,bastion", "--drafter-linear-b", "native-f32"], "sets the products of --drafter-b's drafter"),
     (["--strategies", "ar,bastion", "--drafter", "{missing}"], "does not exist"),
     (["--strategies", "ar,bastion,bastion@b", "--drafter-b", "{good}"], "has no config.json"),
 ])
