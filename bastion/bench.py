@@ -226,6 +226,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
         machine["drafter_linear"] = linear_mode(engine.drafter)
     if engine_b is not None:
         machine["row_padding_b"] = engine_b.padding.to_dict() if engine_b.padding is not None else None
+        if isinstance(engine_b.drafter, torch.nn.Module):
+            machine["drafter_linear_b"] = linear_mode(engine_b.drafter)
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,

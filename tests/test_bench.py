@@ -111,6 +111,7 @@ def test_drafter_b_runs_its_strategies_on_a_second_engine_in_the_same_turns(tmp_
     # chain drafts a whole block: 6 nodes with the first drafter, 5 with the second
     assert res["strategies"]["chain"]["mean_tree_size"] == 6.0 and res["strategies"]["chain@b"]["mean_tree_size"] == 5.0
     assert res["machine"]["row_padding_b"] is not None and engine_b.calibrators and engine.calibrators
+    assert res["machine"]["drafter_linear_b"] == res["machine"]["drafter_linear"]  # recorded for the A/B's second drafter
     with gzip.open(out / "rounds.csv.gz", "rt") as fh:
         assert {"bastion", "bastion@b", "chain@b"} <= {r["strategy"] for r in csv.DictReader(fh)}
 
