@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .latency import put_newest
+
 
 @dataclass
 class HostCost:
@@ -62,9 +64,7 @@ class HostCosts:
     def observe(self, kind, nodes: int, seconds: float) -> None:
         cost = self.lines.pop(kind, None) or HostCost()
         cost.observe(nodes, seconds)
-        self.lines[kind] = cost  # re-inserted: newest last
-        if len(self.lines) > self.max_kinds:
-            del self.lines[next(iter(self.lines))]
+        put_newest(self.lines, kind, cost, self.max_kinds)
 
     def line(self, kind) -> tuple[float, float] | None:
         """(a, b) of this kind of tree, or None before its first round."""

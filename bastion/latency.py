@@ -37,6 +37,14 @@ from .hardware import HardwareSpec, ModelSpec
 SLOPE_RATIO = 4.0  # tree sizes this far apart identify C(n)'s slope
 
 
+def put_newest(table: dict, key, value, limit: int) -> None:
+    """``table[key] = value`` as its newest entry (dicts keep insertion order; pop ``key`` first to move
+    it), dropping the oldest past ``limit`` entries — a long-lived app sees many settings."""
+    table[key] = value
+    if len(table) > limit:
+        del table[next(iter(table))]
+
+
 def _running(old: tuple[float, float], draft_s: float | None, overhead_s: float, rate: float) -> tuple[float, float]:
     """(T_d, T_o) moved toward one round's times by ``rate`` (a 0 starts at the first time; None: no draft)."""
     def step(avg: float, x: float) -> float:
@@ -201,9 +209,7 @@ class LatencyModel:
         self.draft_s, self.overhead_s = _running((self.draft_s, self.overhead_s), draft_s, overhead_s, rate)
         if setting is not None:
             own = self.per_setting.pop(setting, (0.0, 0.0))
-            self.per_setting[setting] = _running(own, draft_s, overhead_s, rate)  # re-inserted: newest last
-            if len(self.per_setting) > self.max_settings:
-                del self.per_setting[next(iter(self.per_setting))]
+            put_newest(self.per_setting, setting, _running(own, draft_s, overhead_s, rate), self.max_settings)
 
     def _refit(self, iterations: int = 3) -> None:
         self._unfit, self._probe_shape = 0, None
