@@ -274,10 +274,11 @@ def add_parser(sub) -> None:
                         "panels for weights that are losslessly Q4_1 / Q8_0 (the embedded model's); native-f32 = "
                         "the same on float32 panels only; fast = "
                         "torch's few-row routines (kernels.cpu_linear); stock = F.linear everywhere (ablations)")
-    b.add_argument("--drafter-linear", choices=MODES, default=None,
-                   help="the drafter's products (default: native-bf16 with --linear native — the packed kernel "
-                        "in bf16 where the CPU has AVX512-BF16, a draft being only a proposal — else --linear's)")
-    b.add_argument("--drafter-linear-b", choices=MODES, default=None,
+    b.add_argument("--drafter-linear", choices=(*MODES, "auto"), default=None,
+                   help="the drafter's products (default: auto with --linear native — the engine's probe times "
+                        "native-bf16 and native-f32 drafts on this host and keeps the faster, a draft being only "
+                        "a proposal — else --linear's)")
+    b.add_argument("--drafter-linear-b", choices=(*MODES, "auto"), default=None,
                    help="the products of --drafter-b's drafter (default: --drafter-linear's): with the same "
                         "folder as --drafter, an A/B of the drafter's arithmetic within one run")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -386,16 +387,19 @@ def _engine_on(a, target, drafter_name: str | None, flag: str, mode: str | None 
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load{flag}: {exc}") from None
     if drafter is not None:
-        use_skinny_linear(drafter, mode or drafter_linear(a))
+        mode = mode or drafter_linear(a)  # auto: its default bf16 until the probe times both
+        use_skinny_linear(drafter, "native-bf16" if mode == "auto" else mode)
+        drafter.tune_products = mode == "auto"
     return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
 
 
 def drafter_linear(a) -> str:
-    """The drafter's linear mode: ``--drafter-linear``, else bf16 on the packed kernel with ``--linear
-    native`` and ``--linear``'s own mode otherwise (ablations keep the drafter alike)."""
+    """The drafter's linear mode: ``--drafter-linear``, else ``auto`` (the probe's choice of bf16 or
+    float32 panels, :func:`probe.tune_drafter_products`) with ``--linear native`` and ``--linear``'s
+    own mode otherwise (ablations keep the drafter alike)."""
     if getattr(a, "drafter_linear", None):
         return a.drafter_linear
-    return "native-bf16" if a.linear.startswith("native") else a.linear
+    return "auto" if a.linear.startswith("native") else a.linear
 
 
 def _command(a, out_dir: Path) -> str:

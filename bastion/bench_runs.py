@@ -105,7 +105,17 @@ def peak_memory(device: torch.device) -> tuple[float, float | None]:
 
 
 def linear_mode(model: torch.nn.Module) -> str:
-    """What the model's linear layers run on, for the machine record."""
+    """What the model's linear layers run on, for the machine record (a drafter's with the probe's
+    timings when it chose them: :func:`probe.tune_drafter_products`)."""
+    probe = getattr(model, "products_probe", None)
+    how = _linear_mode(model)
+    if probe and getattr(model, "tune_products", False):
+        ms = ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in probe.items())
+        how += f"; chosen by the engine's probe (median draft: {ms})"
+    return how
+
+
+def _linear_mode(model: torch.nn.Module) -> str:
     from .kernels import cpu_native
 
     layers = [m for m in model.modules() if isinstance(m, SkinnyLinear)]

@@ -172,6 +172,11 @@ class DFlashDrafter(nn.Module):
         # a draft is a 9–16-row product per matrix (kernels.cpu_linear), and only a proposal: bf16
         # weights (half the bytes; bf16 products too where the CPU has AVX512-BF16)
         use_skinny_linear(self, "native-bf16")
+        # ... unless float32 drafts are faster on this host: an engine's probe times both and keeps the
+        # faster (probe.tune_drafter_products; its medians in products_probe). A caller that sets a
+        # mode itself (bench --drafter-linear MODE) turns this off.
+        self.tune_products = True
+        self.products_probe: dict[str, float] | None = None
         use_native_modules(self)  # norms and activations: one native pass each where they apply
         self._parts: tuple | None = None  # (rows, its parts) of the last draft (_vocab_parts)
         # CPU drafts: the lean loop's layers as one native call where that computes the same

@@ -27,7 +27,8 @@ from .hostcost import HostCosts
 from .latency import LatencyModel, RowPadding
 from .loading import freeze_heap
 from .lookup import CopySources, LookupStats
-from .probe import PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency, tune_wide_rows
+from .probe import (PROBE_CONTEXT, PROBE_REPEATS, PROBE_ROWS, PROBE_SIZES, Timer, probe_latency,
+                    tune_drafter_products, tune_wide_rows)
 from .records import GenerationResult, StageTimes, Step
 from .round_state import Draft, Plan, Request
 from .target import Target
@@ -37,8 +38,6 @@ from .tree import DraftTree
 from .verify import Acceptance, accept
 
 TOPK_RECORDED = 16  # drafter candidates per depth kept in each Step, so a viewer can re-plan the tree
-
-
 
 
 class Engine:
@@ -165,8 +164,10 @@ class Engine:
                       context: int = PROBE_CONTEXT, repeats: int = PROBE_REPEATS) -> None:
         """Measure the target's row costs (:func:`probe.probe_latency`): the row-padding table this
         engine verifies with, and anchors of C(n) fed to its latency model — after choosing, per row
-        count, the faster of the native products' two equivalent paths (:func:`probe.tune_wide_rows`)."""
+        count, the faster of the native products' two equivalent paths (:func:`probe.tune_wide_rows`),
+        and the drafter's faster products (:func:`probe.tune_drafter_products`)."""
         self.wide_rows = tune_wide_rows(self.target, self.kernels, self.timer, max_rows, context)
+        tune_drafter_products(self.drafter, self.target)
         self.padding = probe_latency(self.target, self.kernels, self.timer, self.latency, max_rows, sizes,
                                      context, repeats)
 

@@ -172,3 +172,61 @@ def probe_latency(target: Target, kernels, timer: Timer, latency: LatencyModel, 
     padding = RowPadding.from_times([best[m] for m in range(1, max_rows + 1)])
     latency.observe_many([(s, context, best[s]) for s in sorted(set(padding.padded) | set(sizes))], anchor=True)
     return padding
+
+
+DRAFTER_MODES = ("native-bf16", "native-f32")  # the drafter's default first: it keeps ties
+DRAFTER_MARGIN = 0.03  # float32 must be this much faster to be chosen (a noisy near-tie stays bf16)
+
+
+def tune_drafter_products(drafter, target: Target, context: int = PROBE_CONTEXT, repeats: int = 3,
+                          drafts: int = 3, fresh: int = 3) -> str | None:
+    """Set a CPU drafter's products to the faster of bf16 panels (mode ``native-bf16``, its default:
+    half the bytes; AVX512-BF16 pairs where the CPU has them) and float32 panels (``native-f32``),
+    timed here; returns the mode set, or None when there is nothing to choose (no drafter, one whose
+    mode a caller set — ``drafter.tune_products`` off —, not a CPU float32 drafter, no native kernel).
+
+    Which is faster depends on the host: on the EPYCs bf16 drafts won (session 14); on the 2-core Xeon
+    with AVX512-BF16 the bf16 pairs run layer by layer while float32 runs all layers in one native
+    call (drafter_lean), and a draft took 2.27 ms in bf16 against 2.06 in float32 (session 46, one
+    bench run: Bastion 1.38× vs 1.42× AR). Both are proposals only — verification decides what is
+    kept — so this moves speed and, within bf16 rounding, which tokens are drafted; never the output.
+
+    Timing: drafts of the whole block after ``context`` random context features, each with ``fresh``
+    tokens' features queued (a round encodes the last round's accepted tokens inside its draft, as
+    :meth:`DrafterCache.defer` does), cropped back after each. ``repeats`` passes after a warm-up, the
+    modes alternated, each mode's first draft after a switch (panels repacked) not counted; each mode
+    keeps its median, kept in ``drafter.products_probe`` [s]. float32 is kept only when faster by
+    :data:`DRAFTER_MARGIN`. Once per drafter: engines that share it keep its choice (~0.2 s)."""
+    from .kernels import cpu_native
+    from .kernels.cpu_linear import use_skinny_linear
+
+    if drafter is None or not getattr(drafter, "tune_products", False):
+        return None
+    w = drafter.fc.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_native.available():
+        return None
+    if drafter.products_probe is not None:  # chosen before, by another engine on this drafter
+        return "native-bf16" if drafter.low_precision else "native-f32"
+    block = drafter.block_size
+    context = max(1, min(context, target.max_positions - block - fresh - 1))
+    g = torch.Generator().manual_seed(0)  # not the global stream: sampling runs must not move
+    width = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
+    feats = torch.randn(context + fresh, width, generator=g)
+    cache = drafter.new_cache()
+    drafter.extend_cache(cache, feats[:context])
+    times: dict[str, list[float]] = {m: [] for m in DRAFTER_MODES}
+    for rep in range(repeats + 1):
+        for mode in DRAFTER_MODES if rep % 2 else DRAFTER_MODES[::-1]:
+            use_skinny_linear(drafter, mode)
+            for i in range(drafts + 1):
+                cache.crop(context)
+                cache.defer(feats[context:])
+                t0 = time.perf_counter()
+                drafter.draft(cache, 1, target.embed, target.lm_head)
+                if rep > 0 and i > 0:
+                    times[mode].append(time.perf_counter() - t0)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    best = "native-f32" if med["native-f32"] < (1 - DRAFTER_MARGIN) * med["native-bf16"] else "native-bf16"
+    use_skinny_linear(drafter, best)
+    drafter.products_probe = med
+    return best

@@ -47,9 +47,11 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     assert {"cpu", "cores", "torch", "date"} <= set(res["machine"])
     want = "native" if cpu_native.available() else "fast"
     assert res["machine"]["linear"].startswith(want) and "--linear native" in res["command"]
-    # the drafter multiplies in bf16 where the CPU can (a draft is only a proposal), and says so
-    assert "--drafter-linear native-bf16" in res["command"]
+    # the drafter's products: the probe's choice of bf16 or float32 panels for a CPU float32 drafter
+    # (a draft is only a proposal); this float64 one keeps its default and claims no probe timings
+    assert "--drafter-linear auto" in res["command"]
     assert res["machine"]["drafter_linear"].startswith("native-bf16" if cpu_native.available() else want)
+    assert "chosen by" not in res["machine"]["drafter_linear"]
     padding = res["machine"]["row_padding"]  # measured in the first drafting warm-up
     assert len(padding["padded"]) == len(padding["seconds"]) > 1
     assert all(m >= n for n, m in enumerate(padding["padded"], 1))
@@ -135,6 +137,17 @@ def test_drafter_linear_b_sets_the_second_drafters_products_only(tmp_path):
     assert "--drafter-linear-b native-f32" in bench._command(a, tmp_path / "out")
     plain = bench_args("--drafter-b", str(tmp_path / "d"), "--strategies", "bastion@b", "--drafter-linear", "native-f32")
     assert linear_mode(bench._load_engine_b(plain, engine).drafter).startswith("native-f32")  # default: --drafter-linear's
+    # a mode named is kept (the probe may not change it); by default the probe chooses, and says so
+    assert not engine.drafter.tune_products and not engine_b.drafter.tune_products
+    auto = bench_args("--drafter", str(tmp_path / "d"), "--strategies", "ar,bastion")
+    assert bench.drafter_linear(auto) == "auto" and "--drafter-linear auto" in bench._command(auto, tmp_path / "o")
+    chosen = bench._engine_on(auto, target, auto.drafter, "")
+    assert chosen.drafter.tune_products and chosen.drafter.low_precision  # bf16 until a probe times both
+    chosen.drafter.products_probe = {"native-bf16": 2.3e-3, "native-f32": 2.0e-3}
+    assert linear_mode(chosen.drafter).endswith("(median draft: native-bf16 2.30 ms, native-f32 2.00 ms)")
+    ablation = bench_args("--drafter", str(tmp_path / "d"), "--strategies", "ar,bastion", "--linear", "fast")
+    assert bench.drafter_linear(ablation) == "fast"
+    assert not bench._engine_on(ablation, target, ablation.drafter, "").drafter.tune_products
 
 
 def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
@@ -209,8 +222,9 @@ def test_nopad_variants_turn_row_padding_off():
 
 
 def test_drafter_linear_follows_linear_unless_given():
-    assert bench.drafter_linear(bench_args()) == "native-bf16"
+    assert bench.drafter_linear(bench_args()) == "auto"  # the probe chooses bf16 or float32 panels
     assert bench.drafter_linear(bench_args("--linear", "stock")) == "stock"
     assert bench.drafter_linear(bench_args("--linear", "fast", "--drafter-linear", "native")) == "native"
+    assert bench.drafter_linear(bench_args("--drafter-linear", "native-bf16")) == "native-bf16"
     with pytest.raises(SystemExit):
         bench_args("--drafter-linear", "turbo")

@@ -452,3 +452,63 @@ def test_the_lean_cpu_draft_equals_the_module_draft_over_rounds(monkeypatch):
             pos += step
     assert buffers[0] == buffers[5] and buffers[0][1] == MIN_ROWS  # one buffer until it had to grow
     assert buffers[-1][1] > MIN_ROWS and buffers[-1][0] != buffers[0][0]
+
+
+def test_the_probe_keeps_the_faster_drafter_products_once_per_drafter(monkeypatch):
+    """probe.tune_drafter_products times drafts in bf16 and in float32 panels and keeps the faster
+    (bf16 unless float32 wins by a margin), once per drafter, without touching torch's random stream;
+    a drafter whose mode a caller set is left alone. Here one mode's drafts are made 4 ms slower."""
+    import time
+
+    from bastion.kernels import cpu_native
+    from bastion.kernels.cpu_linear import use_skinny_linear
+    from bastion.probe import tune_drafter_products
+
+    if not cpu_native.available():
+        pytest.skip("no native kernel: nothing to choose")
+    target = tiny_target("qwen3", dtype=torch.float32)
+    for slow_bf16, want in ((True, "native-f32"), (False, "native-bf16")):
+        d = tiny_drafter(target, layers=2)
+        calls, real = [], d.draft
+
+        def draft(*args, d=d, real=real, slow_bf16=slow_bf16, **kw):
+            calls.append(d.low_precision)
+            if d.low_precision == slow_bf16:
+                time.sleep(4e-3)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(d, "draft", draft)
+        rng = torch.get_rng_state()
+        assert tune_drafter_products(d, target, context=8) == want
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert d.low_precision == (want == "native-bf16") and set(calls) == {True, False}
+        slow, fast = sorted(d.products_probe.values(), reverse=True)
+        assert d.products_probe[want] == fast and slow > fast + 3e-3
+        n = len(calls)  # another engine on this drafter keeps the choice without timing again
+        assert tune_drafter_products(d, target) == want and len(calls) == n
+    d = tiny_drafter(target, layers=2)
+    use_skinny_linear(d, "native-f32")
+    d.tune_products = False  # as bench --drafter-linear native-f32 sets it
+    monkeypatch.setattr(d, "draft", lambda *a, **k: pytest.fail("a set mode is not timed"))
+    assert tune_drafter_products(d, target) is None and not d.low_precision and d.products_probe is None
+
+
+def test_a_drafting_engine_chooses_its_drafters_products_and_stays_lossless():
+    """Engine.prepare's probe includes the drafter's products (probe.tune_drafter_products): after a
+    Bastion run the drafter holds the probe's medians and one of the two modes, and every strategy's
+    greedy output is AR's."""
+    from bastion.kernels import cpu_native
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    d = tiny_drafter(target, layers=2)
+    engine = Engine(target, d, kernels="torch")
+    prompt = [5, 17, 33, 2, 9]
+    ar = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=20)).token_ids
+    assert d.products_probe is None  # AR probes nothing
+    got = engine.run(prompt, GenerationConfig(strategy="bastion", max_new_tokens=20)).token_ids
+    assert got == ar
+    if cpu_native.available():
+        assert set(d.products_probe) == {"native-bf16", "native-f32"}
+        assert all(t > 0 for t in d.products_probe.values())
+        for strategy in ("chain", "fixed"):
+            assert engine.run(prompt, GenerationConfig(strategy=strategy, max_new_tokens=20)).token_ids == ar
