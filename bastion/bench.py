@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from .drafter_io import precheck_local_drafter
 from .engine import Engine, GenerationConfig
-from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf
+from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf, shown_path
 from .kernels import cpu_native
 from .kernels.cpu_linear import MODES, use_skinny_linear
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
@@ -404,7 +404,7 @@ def drafter_linear(a) -> str:
 
 def _command(a, out_dir: Path) -> str:
     """The command line that reproduces this run, every setting spelled out."""
-    argv = ["python", "-m", "bastion", "bench", "--prompts", str(a.prompts), "--strategies", a.strategies,
+    argv = ["python", "-m", "bastion", "bench", "--prompts", shown_path(a.prompts), "--strategies", a.strategies,
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--seed", str(a.seed),
             "--repeats", str(a.repeats), "--model", a.model, "--dtype", a.dtype, "--kernels", a.kernels,
             "--linear", a.linear, "--drafter-linear", drafter_linear(a)]

@@ -104,6 +104,15 @@ def peak_memory(device: torch.device) -> tuple[float, float | None]:
     return peak / (2**20 if sys.platform == "darwin" else 1024), gpu
 
 
+def shown_path(path) -> str:
+    """``path`` as a recorded command shows it: relative to the working directory when inside it (the
+    default prompt file is the package's absolute path, which names one machine's folders)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def linear_mode(model: torch.nn.Module) -> str:
     """What the model's linear layers run on, for the machine record (a drafter's with the probe's
     timings when it chose them: :func:`probe.tune_drafter_products`)."""

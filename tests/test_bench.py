@@ -221,6 +221,15 @@ def test_nopad_variants_turn_row_padding_off():
     assert not sources["bastion:nocond"].config(8, 0.0, 0).condition and sources["bastion"].config(8, 0.0, 0).condition
 
 
+def test_the_recorded_command_names_the_default_prompts_relative_to_the_working_directory(monkeypatch, tmp_path):
+    from bastion.loading import EVAL_PROMPTS
+
+    monkeypatch.chdir(EVAL_PROMPTS.parent.parent)  # the repository root, where the README's commands run
+    assert "--prompts assets/eval_prompts.json " in bench._command(bench_args(), tmp_path / "o")
+    monkeypatch.chdir(tmp_path)  # elsewhere the path stays whole
+    assert f"--prompts {EVAL_PROMPTS} " in bench._command(bench_args(), tmp_path / "o")
+
+
 def test_drafter_linear_follows_linear_unless_given():
     assert bench.drafter_linear(bench_args()) == "auto"  # the probe chooses bf16 or float32 panels
     assert bench.drafter_linear(bench_args("--linear", "stock")) == "stock"
