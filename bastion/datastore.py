@@ -9,11 +9,11 @@ data and never the evaluation prompts.
 
 Index: for each n in ``ngrams`` the n-grams of the flat token array are hashed to int64 and sorted
 (stable, so equal hashes keep text order) beside their int32 end positions, and a query is a binary
-search. A proposal follows every
-occurrence of the longest matching context suffix (the latest ``cap`` of them) and walks their
-continuations greedily by frequency: token d is the most common next token among the occurrences
-that agreed on tokens 1..d−1, kept while it holds at least ``min_share`` of them. Sequences are
-separated by −1, which no context contains, so continuations never run into the next reply.
+search. A proposal follows every occurrence of the longest matching context suffix (the latest
+``cap`` of them) and walks their continuations greedily by frequency: token d is the most common
+next token among the occurrences that agreed on tokens 1..d−1, kept while it holds at least
+``min_share`` of them. Sequences are separated by −1, which no context contains, so continuations
+never run into the next reply.
 Teacher-forced on the 30 eval prompts (run-5 drafter, trigrams): τ of the drafter's chain with
 prompt lookup 1.94, with this datastore as well 2.32 (trigrams only: 2.25).
 
