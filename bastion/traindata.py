@@ -329,8 +329,11 @@ def make_text(target: Target, out: Path, sources: list[str], n_chunks: int, batc
 
 
 def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:
-    """Every record of every finished shard of one or several data folders. ``ids_only``: memory-map
-    the shards and keep only the token ids (no features: a few MB instead of GBs, e.g. for a datastore)."""
+    """Every record of every finished shard of one or several data folders, memory-mapped: features
+    are read from the page cache as batches gather them (copy-on-write; training only reads them), so
+    two fits on the same folders share one copy — read into each process, session 47's four folders
+    (~10 GB) took 12 GB per fit and a second fit beside the first was killed for memory. ``ids_only``:
+    keep only the token ids (no features: a few MB instead of GBs, e.g. for a datastore)."""
     records = []
     for folder in ([data] if isinstance(data, Path) else data):
         for path in sorted(folder.glob("shard_*.pt")):
@@ -338,7 +341,7 @@ def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:
                 records.extend({k: (v.clone() if k == "ids" else v) for k, v in r.items() if k != "feats"}
                                for r in torch.load(path, mmap=True))
             else:
-                records.extend(torch.load(path))
+                records.extend(torch.load(path, mmap=True))
     if not records:
         raise FileNotFoundError(f"no shards in {data}: run `python -m bastion.train data --out DIR` first")
     return records
