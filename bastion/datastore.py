@@ -55,7 +55,9 @@ class Datastore:
         self.vocab_size = int(vocab_size)
         self.ngrams = tuple(sorted(set(ngrams), reverse=True))
         self.cap, self.min_share = cap, min_share
-        self._np: dict[int, tuple] = {}  # see _arrays
+        # the index and a view of the tokens (no copy) are NumPy: a query's few small ops cost ~1 µs
+        # each there against ~10 µs as tensor ops (bench/NOTES.md, session 33)
+        self._tokens_np = self.tokens.numpy()
         self._index = {n: self._build(n) for n in self.ngrams}
         _trim_heap()
         self._counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see _gram_counts
@@ -78,7 +80,7 @@ class Datastore:
         base = self.vocab_size + 1
         if base ** n >= 2 ** 62:
             raise ValueError(f"{n}-grams of a {self.vocab_size}-token vocabulary do not fit a 64-bit hash")
-        t = self._arrays(0)[0]
+        t = self._tokens_np
         if t.size < n + 1:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         # n-grams across a separator never match a context; one that ends a reply has no continuation
@@ -108,31 +110,20 @@ class Datastore:
         for n in self.ngrams:
             if len(context) < n:
                 continue
-            # NumPy views of the index: a query is a few small ops, which cost ~1 µs each there
-            # against ~10 µs as tensor ops (bench/NOTES.md, session 33)
-            hashes, ends = self._arrays(n)
+            hashes, ends = self._index[n]
             key = 0
-            for t in context[-n:]:  # _hash of one n-gram, in Python ints (a query is a few tokens)
+            for t in context[-n:]:  # the n-gram's hash as _build computes it, in Python ints (a few tokens)
                 key = key * (self.vocab_size + 1) + (int(t) + 1)
             lo, hi = int(np.searchsorted(hashes, key, "left")), int(np.searchsorted(hashes, key, "right"))
             if hi == lo:
                 continue
             starts = ends[max(lo, hi - self.cap):hi] + 1  # the latest occurrences
-            tokens = self._arrays(0)[0]
+            tokens = self._tokens_np
             cont = tokens[np.minimum(starts[:, None] + np.arange(max_tokens), tokens.size - 1)]
             out = self._walk(cont)
             if out:
                 return Proposal(out, n)
         return None
-
-    def _arrays(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The n-gram index (hashes, ends); n = 0: (a NumPy view of the tokens, None)."""
-        if n:
-            return self._index[n]
-        got = self._np.get(0)
-        if got is None:
-            got = self._np[0] = (self.tokens.numpy(), None)
-        return got
 
     def _walk(self, cont: np.ndarray) -> list[int]:
         """Greedy frequency walk over continuations [m, k]: keep the agreeing rows at each depth; a

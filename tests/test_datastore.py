@@ -231,7 +231,7 @@ def test_the_index_is_compact_and_its_hashes_are_the_grams():
     flat = [t for s in seqs for t in s + [-1]]
     assert ds.tokens.dtype == torch.int32 and ds.tokens.tolist() == flat
     for n in ds.ngrams:
-        hashes, ends = ds._arrays(n)
+        hashes, ends = ds._index[n]
         assert hashes.dtype.itemsize == 8 and ends.dtype.itemsize == 4
         want = sorted((sum((flat[e - n + 1 + j] + 1) * 51 ** (n - 1 - j) for j in range(n)), e)
                       for e in range(n - 1, len(flat) - 1) if min(flat[e - n + 1:e + 2]) >= 0)
