@@ -1,4 +1,5 @@
-"""Command line: ``python -m bastion generate ...`` and ``python -m bastion bench ...``.
+"""Command line: ``python -m bastion generate ...``, ``python -m bastion bench ...`` and
+``python -m bastion report FOLDER``.
 
 Bad input gets one line on stderr and exit code 2, before any model is loaded where possible.
 """
@@ -147,10 +148,27 @@ def run_generate(a) -> int:
     return 0
 
 
+def _report_parser(sub) -> None:
+    r = sub.add_parser("report", help="draw a benchmark folder's results.md and plots again from its saved data")
+    r.add_argument("folder", type=Path, help="a folder `bench` wrote (results.json, rounds.csv.gz)")
+
+
+def run_report(a) -> int:
+    from .report import redraw
+
+    try:
+        paths = redraw(a.folder)
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bastion", description="Bastion: budget-aware tree speculative decoding")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _generate_parser(sub)
+    _report_parser(sub)
     try:
         from .bench import add_parser as add_bench, run_bench
         add_bench(sub)
@@ -160,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "generate":
             return run_generate(a)
+        if a.cmd == "report":
+            return run_report(a)
         return run_bench(a)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -350,7 +350,7 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
     out = run_suite(engine, cases, strategies, a.max_new_tokens, a.temperature, a.repeats, a.seed,
                     _command(a, out_dir), progress=not a.no_progress, engine_b=engine_b)
     paths = write_report(out, out_dir)
-    print(markdown(out.results))
+    print(markdown(out.results, out.rounds))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

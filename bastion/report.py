@@ -145,7 +145,7 @@ def write_report(out: BenchOutput, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "results.json", folder / "results.md", folder / "rounds.csv.gz"]
     paths[0].write_text(json.dumps(out.results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(out.results), encoding="utf-8")
+    paths[1].write_text(markdown(out.results, out.rounds), encoding="utf-8")
     with gzip.open(paths[2], "wt", newline="", compresslevel=9) as fh:
         writer = csv.DictWriter(fh, ROUND_FIELDS)
         writer.writeheader()
@@ -153,12 +153,51 @@ def write_report(out: BenchOutput, folder: Path) -> list[Path]:
     return paths + plot_report(out, folder)
 
 
+ROUND_INTS = frozenset({"prompt", "repeat", "round", "tree_size", "rows", "context", "tokens", "threads"})
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """rounds.csv.gz back as the dicts :func:`write_report` wrote (ints and floats restored)."""
+    with gzip.open(path, "rt", newline="") as fh:
+        return [{k: v if k in ("strategy", "category") else int(v) if k in ROUND_INTS else float(v)
+                 for k, v in row.items()} for row in csv.DictReader(fh)]
+
+
+def redraw(folder: Path) -> list[Path]:
+    """results.md and the PNG plots drawn again from a saved run's results.json and rounds.csv.gz (a newer
+    report layout over an older run): nothing is rerun and the two data files are left as they are.
+    The text is composed before anything is written (a folder that does not read changes nothing) and
+    results.md is replaced only once the plots are drawn."""
+    source = folder / "results.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"{source} does not exist: not a benchmark folder")
+    try:
+        results = json.loads(source.read_text(encoding="utf-8"))
+        log = folder / "rounds.csv.gz"
+        out = BenchOutput(results, read_rounds(log) if log.is_file() else [])
+        text = markdown(results, out.rounds)
+    except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
+        raise ValueError(f"{folder} holds no readable benchmark results ({type(exc).__name__}: {exc})") from None
+    md = folder / "results.md"
+    tmp = md.with_name(".results.md.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        paths = plot_report(out, folder)
+    except BaseException:
+        tmp.unlink()
+        raise
+    os.replace(tmp, md)
+    return [md, *paths]
+
+
 def _cell(x, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-def markdown(results: dict) -> str:
-    """A README-ready summary: settings, one row per strategy, speedup per category."""
+def markdown(results: dict, rounds: list[dict] | None = None) -> str:
+    """A README-ready summary: settings, one row per strategy, speedup per category, where an engine
+    round's milliseconds go, Bastion against the chain and the best fixed budget, and — given the
+    per-round log — the median verification time per row count."""
     m, s, groups = results["machine"], results["settings"], results["categories"]
     per_category = [p["category"] for p in results["prompts"]]
     counts = ", ".join(f"{c} {per_category.count(c)}" for c in groups)
@@ -184,7 +223,60 @@ def markdown(results: dict) -> str:
     if s["temperature"] > 0 and any(n.startswith("hf_") for n in results["strategies"]):
         lines += ["", "At T > 0 the hf_* baselines sample from transformers' own random stream: "
                       "their match with AR is not expected."]
+    lines += _anatomy(results["strategies"]) + _versus(results["strategies"])
+    if rounds:
+        lines += _rows_table(verify_by_rows(rounds))
     return "\n".join(lines) + "\n"
+
+
+def _anatomy(strategies: dict) -> list[str]:
+    """Milliseconds per round (one target forward) by stage: the split the main table gives in percent."""
+    engine = {n: st for n, st in strategies.items() if st.get("time_s") and st.get("rounds") and st.get("decode_s")}
+    if not engine:
+        return []
+    lines = ["", "Where a round goes (ms per round, one target forward each):", "",
+             "| strategy | round | draft | build | verify | commit | other |", "|---|" + "---:|" * 6]
+    for name, st in engine.items():
+        ms = {k: 1e3 * v / st["rounds"] for k, v in st["time_s"].items()}
+        lines.append(f"| {name} | {1e3 * st['decode_s'] / st['rounds']:.2f} | "
+                     + " | ".join(f"{ms[k]:.2f}" for k in (*STAGES, "other")) + " |")
+    return lines
+
+
+def _versus(strategies: dict) -> list[str]:
+    """Bastion's mean per-prompt speedup over AR divided by the chain's and by the best fixed budget's."""
+    def speed(name: str) -> float | None:
+        return strategies.get(name, {}).get("speedup_vs_ar")
+
+    fixed = [n for n in strategies if n.startswith("fixed:") and speed(n)]
+    if not speed("bastion") or not (speed("chain") or fixed):
+        return []
+    parts = [f"by the chain's, {speed('bastion') / speed('chain'):.2f}×"] if speed("chain") else []
+    if fixed:
+        best = max(fixed, key=speed)
+        parts.append(f"by the best fixed budget's (`{best}`, {speed(best):.2f}× AR), {speed('bastion') / speed(best):.2f}×")
+    return ["", "Bastion's mean speedup over AR divided " + "; ".join(parts) + "."]
+
+
+def verify_by_rows(rounds: list[dict], least: int = 10) -> dict[int, dict]:
+    """Per verified row count (padding included) with at least ``least`` rounds, pooled over strategies
+    (a forward's cost depends on its rows, not on who drafted them): rounds, median measured and median
+    predicted verification ms."""
+    groups: dict[int, list[dict]] = {}
+    for r in rounds:
+        groups.setdefault(int(r["rows"]), []).append(r)
+    return {n: {"rounds": len(g), "measured_ms": 1e3 * statistics.median(float(r["measured_s"]) for r in g),
+                "predicted_ms": 1e3 * statistics.median(float(r["predicted_s"]) for r in g)}
+            for n, g in sorted(groups.items()) if len(g) >= least}
+
+
+def _rows_table(by_rows: dict[int, dict]) -> list[str]:
+    if not by_rows:
+        return []
+    lines = ["", "Verification time by rows (every round with that many rows, all strategies; medians):", "",
+             "| rows | rounds | measured ms | predicted ms |", "|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {v['rounds']} | {v['measured_ms']:.2f} | {v['predicted_ms']:.2f} |" for n, v in by_rows.items()]
+    return lines
 
 
 def plot_report(out: BenchOutput, folder: Path) -> list[Path]:

@@ -89,6 +89,21 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     for png in ("speedup_by_category.png", "tau_vs_tree_size.png", "verify_latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| bastion |" in capsys.readouterr().out
+    # ms per round by stage (the stages and "other" add up to the round), Bastion over the chain and
+    # the best fixed budget, and the median verification time per row count from the round log
+    row = next(line for line in md.splitlines() if line.startswith("| bastion |") and line.count("|") == 8)
+    ms = [float(x) for x in row.strip("|").split("|")[1:]]
+    assert abs(ms[0] - sum(ms[1:])) <= 0.03 and ms[3] > 0
+    ratio = res["strategies"]["bastion"]["speedup_vs_ar"] / res["strategies"]["chain"]["speedup_vs_ar"]
+    assert f"divided by the chain's, {ratio:.2f}×" in md and "`fixed:" in md
+    assert "| rows | rounds | measured ms | predicted ms |" in md
+    # drawn again from the saved data alone: the same tables, the per-row medians from the rounded log
+    (out / "results.md").unlink()
+    (out / "verify_latency.png").unlink()
+    assert main(["report", str(out)]) == 0
+    again, cut = (out / "results.md").read_text(), md.index("Verification time by rows")
+    assert again[:cut] == md[:cut] and again.count("\n") == md.count("\n")
+    assert (out / "verify_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the hf baselines switch the feature hooks off while they run, and back on
     assert engine.target.prefill(torch.tensor([1, 2, 3])).features is not None
 
@@ -237,3 +252,24 @@ def test_drafter_linear_follows_linear_unless_given():
     assert bench.drafter_linear(bench_args("--drafter-linear", "native-bf16")) == "native-bf16"
     with pytest.raises(SystemExit):
         bench_args("--drafter-linear", "turbo")
+
+
+def test_verification_medians_per_row_count_skip_rare_counts():
+    from bastion.report import verify_by_rows
+
+    rounds = [{"rows": 2, "measured_s": 1e-3 * (5 + i), "predicted_s": 6e-3} for i in range(11)]
+    rounds += [{"rows": 9, "measured_s": 0.02, "predicted_s": 0.02}] * 9  # under 10 rounds: left out
+    assert verify_by_rows(rounds) == {2: {"rounds": 11, "measured_ms": 10.0, "predicted_ms": 6.0}}
+    assert set(verify_by_rows(rounds, least=9)) == {2, 9}
+
+
+def test_report_of_a_folder_without_readable_results_exits_2_and_changes_nothing(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist: not a benchmark folder" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text('{"strategies": ')  # cut short
+    (tmp_path / "results.md").write_text("the old report")
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no readable benchmark results" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]
+    assert (tmp_path / "results.md").read_text() == "the old report"

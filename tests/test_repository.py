@@ -7,6 +7,8 @@ in pieces. Benchmark folders accumulate session after session; this fails before
 """
 
 import ast
+import itertools
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,3 +66,28 @@ def test_modules_and_functions_stay_short():
                     long_functions.append(f"{name}:{node.lineno} {node.name} ({size} lines)")
     assert not long_modules, f"modules over {MODULE_LINES} lines: {', '.join(long_modules)}"
     assert not long_functions, f"functions over {FUNCTION_LINES} lines: {', '.join(long_functions)}"
+
+
+def test_the_readmes_benchmark_tables_are_copied_from_their_runs():
+    """Each benchmark table in the README sits under the command that made it, and that command's
+    ``--out`` folder holds the same command and, line for line, the same table; the bold figures of the
+    "Latest" paragraph are cells of its table. So a new run cannot leave old numbers in the README."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    commands = [i for i, line in enumerate(lines) if line.startswith("- Command: `python -m bastion bench ")]
+    assert commands, "the README quotes no benchmark command"
+    for i in commands:
+        command = lines[i].split("`")[1]
+        folder = ROOT / re.search(r"--out (\S+)", command).group(1)
+        report = (folder / "results.md").read_text(encoding="utf-8").splitlines()
+        assert f"- Command: `{command}`" in report, f"{folder.name}: the README's command is not the run's"
+        table = list(itertools.takewhile(lambda s: s.startswith("|"), lines[i + 2:]))
+        assert len(table) >= 3 and lines[i + 1] == "", f"no table under the command of {folder.name}"
+        stale = [row for row in table if row not in report]
+        assert not stale, f"README rows not in {folder.name}/results.md: {stale}"
+    start = next(i for i, line in enumerate(lines) if line.startswith("**Latest"))
+    table = itertools.takewhile(lambda s: s.startswith("|"), lines[commands[0] + 2:])
+    cells = {c.strip() for row in table for c in row.split("|")}
+    bold = re.findall(r"\*\*(\d+\.\d+)(?: tok/s|×)?\*\*", " ".join(lines[start:commands[0]]))
+    assert bold, "the Latest paragraph names no figures"
+    missing = [x for x in bold if x not in cells and f"{x}×" not in cells]
+    assert not missing, f"the Latest paragraph's figures not in its table: {missing}"
