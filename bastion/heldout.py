@@ -34,6 +34,7 @@ import torch
 
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
+from .kernels.cpu_linear import MODES, use_skinny_linear
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
 from .simulate import simulate_tau, simulations
 from .target import Target
@@ -261,8 +262,24 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trees", default="",
                     help="comma-separated tree sizes N: also τ of the drafter's best-first trees of N nodes "
                          "(fixed:N; cond:N with the datastore's per-parent re-weighting)")
+    ap.add_argument("--drafter-linear", choices=(*MODES, "auto"), default="auto",
+                    help="the drafter's products: auto (default) times bf16 against float32 panels as the "
+                         "engine's probe does and keeps its choice, so the proposals scored are the engine's")
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def set_products(drafter: DFlashDrafter, target: Target, mode: str) -> str:
+    """Put the drafter's linear layers in ``mode``, or with ``auto`` in the mode the engine's probe
+    (:func:`bastion.probe.tune_drafter_products`) picks on this host — the two modes' drafts differ
+    within bf16 rounding, and so may a few proposals; returns the mode as the benchmark records it."""
+    from .bench_runs import linear_mode
+    from .probe import tune_drafter_products
+
+    use_skinny_linear(drafter, "native-bf16" if mode == "auto" else mode)
+    drafter.tune_products = mode == "auto"
+    tune_drafter_products(drafter, target)
+    return linear_mode(drafter)
 
 
 def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -322,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(Path(a.drafter), target.hidden_size, target.vocab_size, target.num_layers,
                                dtype=torch.float32)
     drafter = drafter.float().eval()
+    print(f"[heldout] the drafter's products: {set_products(drafter, target, a.drafter_linear)}", file=sys.stderr)
     if a.block is not None and not 2 <= a.block <= drafter.block_size:
         ap.error(f"--block must be in [2, {drafter.block_size}]")
     if a.data:

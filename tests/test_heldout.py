@@ -244,3 +244,23 @@ def test_bad_tree_sizes_are_refused_before_the_target_loads(capsys):
         with pytest.raises(SystemExit):
             main(["--trees", arg])
         assert msg in capsys.readouterr().err
+
+
+def test_the_drafters_products_follow_the_engines_probe_or_the_mode_named():
+    """``--drafter-linear auto`` (the default) scores the proposals the engine would draft on this host:
+    the probe's choice of bf16 or float32 panels, timed once; a named mode is kept as named."""
+    from bastion.heldout import set_products
+    from bastion.kernels import cpu_native
+    from bastion.probe import DRAFTER_MODES
+
+    target = tiny_target("llama", dtype=torch.float32, seed=5)
+    named = tiny_drafter(target)
+    assert set_products(named, target, "native-f32").startswith("native-f32")
+    assert not named.tune_products and named.products_probe is None  # named: nothing timed
+    auto = tiny_drafter(target)
+    chosen = set_products(auto, target, "auto")
+    if cpu_native.available():
+        assert chosen.split(":")[0] in DRAFTER_MODES and "chosen by" in chosen
+        assert set(auto.products_probe) == set(DRAFTER_MODES)
+    else:  # nothing to choose between: the drafter keeps its default
+        assert auto.products_probe is None
