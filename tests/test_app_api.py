@@ -222,6 +222,22 @@ def test_stop_leaves_the_session_usable():
     assert final["state"]["status"] == "finished" and final["message"] == ""
 
 
+def test_a_run_streams_text_and_draws_figures_only_once_it_ends(monkeypatch):
+    """While rounds are timed the page gets the text and the progress line only: a browser drawing
+    figures on the same CPU slowed the run it was showing (app.handlers.TEXT_EVERY_S)."""
+    import app.handlers
+
+    monkeypatch.setattr(app.handlers, "TEXT_EVERY_S", 0.0)  # a live update after every round
+    views = [dict(zip(VIEW_FIELDS, v)) for v in Handlers(tiny_runtime()).run(
+        "hello", "bastion", 8, 0.0, 1.0, 16, 0, True, THIS_MACHINE, None)]
+    figure_fields = ("tree", "gain", "speed", "latency", "whatif", "calibration")
+    live = views[1:-1]
+    assert len(live) >= 16 and {v["stats"].split("**")[1][:1] for v in live} == {"①", "②"}  # baseline, then Bastion
+    for v in live:
+        assert v["text"] != gr.skip() and all(v[f] == gr.skip() for f in figure_fields)
+    assert all(views[-1][f] != gr.skip() for f in figure_fields) and views[-1]["state"]["status"] == "finished"
+
+
 def test_run_handler_shows_bad_settings_in_the_page():
     handlers = Handlers(tiny_runtime())
     with pytest.warns(UserWarning, match="whole number"):

@@ -169,6 +169,21 @@ def shrink_png(path: Path, limit: int = 400_000) -> None:
         img = img.resize((img.width * 3 // 4, img.height * 3 // 4), Image.Resampling.LANCZOS)
 
 
+def widest_round(page) -> int:
+    """The round to show: the largest tree among those that accepted at least two draft tokens (a
+    tree with branches and rejected nodes teaches more than a straight accepted chain), read off
+    the tree plot's title round by round; the first such round on a tie."""
+    import re
+
+    rounds = int(page.locator("#scrubber input[type=range]").get_attribute("max"))
+    best = (False, 0, 0)
+    for i in range(rounds + 1):
+        scrub_to(page, i)
+        nodes, accepted = map(int, re.search(r"tree of (\d+) nodes?, (\d+) accepted", tree_title(page)).groups())
+        best = max(best, (accepted >= 2, nodes, -i))
+    return -best[2]
+
+
 def screenshots(folder: Path, prompt: str) -> None:
     """A real run with the embedded model (Bastion if the drafter is there, else AR)."""
     from playwright.sync_api import sync_playwright
@@ -184,9 +199,7 @@ def screenshots(folder: Path, prompt: str) -> None:
         page.goto(url, wait_until="load")
         page.wait_for_selector("#run-btn", timeout=TIMEOUT_MS)
         run_prompt(page, prompt, 600000)
-        per_round = page.evaluate("Array.from(document.querySelectorAll('#output-text span.round'))"
-                                  ".map(r => [r.querySelectorAll('span.tok.acc').length, -Number(r.dataset.round)])")
-        scrub_to(page, int(-max(per_round)[1]))  # the (first) round that accepted the most draft tokens (-0.0 → 0)
+        scrub_to(page, widest_round(page))
         page.screenshot(path=str(folder / "screenshot_app.png"), full_page=True)
         names = ["screenshot_app.png"]
         if runtime.has_drafter:  # an AR round's "tree" is one root and its bonus: not worth a picture
