@@ -195,7 +195,7 @@ def _cell(x, fmt: str = "{:.2f}") -> str:
 
 
 def markdown(results: dict, rounds: list[dict] | None = None) -> str:
-    """A README-ready summary: settings, one row per strategy, speedup per category, where an engine
+    """A README-ready summary: settings, one row per strategy, speedup and τ per category, where an engine
     round's milliseconds go, Bastion against the chain and the best fixed budget, and — given the
     per-round log — the median verification time per row count."""
     m, s, groups = results["machine"], results["settings"], results["categories"]
@@ -220,6 +220,11 @@ def markdown(results: dict, rounds: list[dict] | None = None) -> str:
     for name, st in results["strategies"].items():
         cells = [_cell(g[name]["speedup_vs_ar"], "{:.2f}×") for g in groups.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_cell(st['speedup_vs_ar'], '{:.2f}×')} |")
+    lines += ["", "τ by category (tokens per target forward):", "",
+              "| strategy | " + " | ".join(groups) + " | all |", "|---|" + "---:|" * (len(groups) + 1)]
+    for name, st in results["strategies"].items():
+        cells = [_cell(g[name]["tau"]) for g in groups.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_cell(st['tau'])} |")
     if s["temperature"] > 0 and any(n.startswith("hf_") for n in results["strategies"]):
         lines += ["", "At T > 0 the hf_* baselines sample from transformers' own random stream: "
                       "their match with AR is not expected."]

@@ -97,6 +97,8 @@ def test_end_to_end_on_tiny_model(engine, tmp_path, capsys):
     ratio = res["strategies"]["bastion"]["speedup_vs_ar"] / res["strategies"]["chain"]["speedup_vs_ar"]
     assert f"divided by the chain's, {ratio:.2f}×" in md and "`fixed:" in md
     assert "| rows | rounds | measured ms | predicted ms |" in md
+    chain_tau = f"| chain | {res['categories']['chat']['chain']['tau']:.2f} | {res['categories']['code']['chain']['tau']:.2f} |"
+    assert md.split("τ by category")[1].count(chain_tau) == 1
     # drawn again from the saved data alone: the same tables, the per-row medians from the rounded log
     (out / "results.md").unlink()
     (out / "verify_latency.png").unlink()
