@@ -261,7 +261,7 @@ def speed_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
     if not baseline and not steps:
         return empty_figure("run a prompt to measure speed")
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.14,
-                        subplot_titles=("tokens/s so far (decode time)", "ms per token by stage"))
+                        subplot_titles=("tokens/s so far (decode)", "ms/token by stage"))
     runs = [(name, recs) for name, recs in (("AR baseline", baseline), (steps[0]["strategy"] if steps else "", steps))
             if recs]
     for name, recs in runs:
@@ -290,7 +290,7 @@ def latency_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, 
     """Left: predicted vs measured verification time per round. Right: C(n) curves at round ``index``'s
     context with every round's measured (size, time) point."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("verification time per round", f"C(n) at round {index}'s context"))
+                        subplot_titles=("verify ms per round", f"C(n) at round {index}"))
     rounds = [r["index"] for r in steps]
     fig.add_trace(go.Scatter(x=rounds, y=[1e3 * r["predicted_verify_s"] for r in steps], name="predicted",
                              mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["predicted"])),

@@ -25,6 +25,10 @@ INTRO = (f"# {TITLE}\nA block-diffusion drafter proposes per-depth marginals; a 
          "in other replies). The target verifies the whole tree in one forward and the output stays exactly "
          "the target's (lossless).")
 MAX_UPLOAD = "20mb"
+PLOT_MIN_PX = 380  # two plots of a row side by side down to ~800 px of page, stacked below (phones)
+# The run table keeps one line per cell and scrolls sideways on a narrow screen (its headers had
+# wrapped a letter a line at 420 px).
+CSS = "#stats table { display: block; overflow-x: auto; } #stats th, #stats td { white-space: nowrap; }"
 
 
 def load_prompts() -> dict[str, list[str]]:
@@ -78,16 +82,19 @@ def _layout(handlers: Handlers, prompts: dict) -> dict:
     c["scrubber"] = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="scrubber",
                               label="Round (redraws from session state, no model run)")
     with gr.Row():
-        c["tree"] = gr.Plot(empty_figure("draft tree"), label="Draft tree", scale=3, elem_id="tree-plot")
-        c["gain"] = gr.Plot(empty_figure("gain vs cost"), label="Gain vs cost", scale=2, elem_id="gain-plot")
+        c["tree"] = gr.Plot(empty_figure("draft tree"), label="Draft tree", scale=3, min_width=PLOT_MIN_PX,
+                            elem_id="tree-plot")
+        c["gain"] = gr.Plot(empty_figure("gain vs cost"), label="Gain vs cost", scale=2, min_width=PLOT_MIN_PX,
+                            elem_id="gain-plot")
     with gr.Accordion("Latency model and what-if hardware", open=True):
         c["device"] = gr.Dropdown(list(WHATIF_DEVICES), value=THIS_MACHINE, label="What-if hardware",
                                   info="re-plan the shown round's tree under another device's roofline",
                                   elem_id="device")
         c["whatif_md"] = gr.Markdown()
         with gr.Row():
-            c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", scale=3)
-            c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=2)
+            c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", scale=3,
+                                   min_width=PLOT_MIN_PX)
+            c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=2, min_width=PLOT_MIN_PX)
     with gr.Accordion("Drafter calibration: confidence vs acceptance", open=False):
         c["calibration"] = gr.Plot(empty_figure("drafter calibration"), label="Drafter calibration",
                                    elem_id="calibration-plot")
@@ -157,6 +164,6 @@ def calm_queue(demo: gr.Blocks, poll_s: float = QUEUE_POLL_S) -> None:
 
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, **kwargs):
     """Serve the app; host/port None defer to GRADIO_SERVER_NAME/PORT (set by Spaces), else 127.0.0.1:7860."""
-    return demo.launch(server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=["api", "gradio"],
+    return demo.launch(server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=["api", "gradio"], css=CSS,
                        run_history=False, state_session_capacity=100,  # a run can hold a few MB
                        **kwargs)

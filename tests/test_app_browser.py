@@ -127,8 +127,16 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
                                timeout=TIMEOUT_MS)
         assert tree_title(page).startswith("Round 0:")  # the bad file changed nothing
         page.screenshot(path=str(tmp_path / "after_bad_upload.png"), full_page=True)
+        # on a phone-wide page the plots of a row stack and the run table keeps one line per cell
+        page.set_viewport_size({"width": 420, "height": 900})
+        page.wait_for_function("document.querySelector('#gain-plot').getBoundingClientRect().top >= "
+                               "document.querySelector('#tree-plot').getBoundingClientRect().bottom", timeout=10000)
+        header = page.locator("#stats th").first.bounding_box()
+        assert header["height"] < 3 * page.locator("#stats td").first.bounding_box()["height"]
+        assert page.evaluate("getComputedStyle(document.querySelector('#stats th')).whiteSpace") == "nowrap"
+        page.screenshot(path=str(tmp_path / "narrow.png"), full_page=True)
         browser.close()
-    assert all((tmp_path / f).stat().st_size > 10000 for f in ("after_run.png", "round0_tree.png"))
+    assert all((tmp_path / f).stat().st_size > 10000 for f in ("after_run.png", "round0_tree.png", "narrow.png"))
 
 
 def test_stop_cancels_and_the_session_stays_usable(tiny_app, tmp_path):
