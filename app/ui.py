@@ -132,7 +132,9 @@ def create_app(runtime: Runtime) -> gr.Blocks:
     """The whole page around one shared Runtime; every session keeps its own run in gr.State."""
     handlers = Handlers(runtime)
     empty_figure("warm-up")  # plotly builds its validators on first use: pay that at start, not in a handler
-    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:  # exported files live an hour
+    # analytics off: Gradio's default would contact api.gradio.app (a version check when the page is
+    # built, telemetry at launch); the app runs offline and sends nothing anywhere
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600), analytics_enabled=False) as demo:  # files live an hour
         gr.Markdown(INTRO)
         c = _layout(handlers, load_prompts())
         _wire(handlers, c)

@@ -60,6 +60,22 @@ def server():
     demo.close()
 
 
+def test_the_app_sends_no_telemetry(monkeypatch):
+    """Gradio's analytics are off whatever the environment says: building the page starts no version
+    check and launching it posts nothing to api.gradio.app."""
+    import gradio.analytics
+
+    calls = []
+    for name in ("version_check", "initiated_analytics", "launched_analytics", "_do_analytics_request"):
+        monkeypatch.setattr(gradio.analytics, name, lambda *a, _n=name, **k: calls.append(_n))
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "True")
+    demo = create_app(tiny_runtime())
+    assert demo.analytics_enabled is False
+    launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
+    demo.close()
+    assert calls == []
+
+
 def test_the_queue_does_not_poll_every_millisecond():
     """Gradio's queue polls every 1 ms by default; on two cores those wake-ups stall the engine's
     OpenMP threads (AR ~12% slower served than in-process), so the app polls every QUEUE_POLL_S."""
