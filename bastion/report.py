@@ -168,11 +168,13 @@ def redraw(folder: Path) -> list[Path]:
     report layout over an older run): nothing is rerun and the two data files are left as they are.
     The text is composed before anything is written (a folder that does not read changes nothing) and
     results.md is replaced only once the plots are drawn."""
-    source = folder / "results.json"
-    if not source.is_file():
-        raise FileNotFoundError(f"{source} does not exist: not a benchmark folder")
+    source = next((p for p in (folder / "results.json", folder / "results.json.gz") if p.is_file()), None)
+    if source is None:  # older folders keep theirs gzipped (bench/NOTES.md)
+        raise FileNotFoundError(f"{folder / 'results.json'} does not exist: not a benchmark folder")
     try:
-        results = json.loads(source.read_text(encoding="utf-8"))
+        opener = gzip.open if source.suffix == ".gz" else open
+        with opener(source, "rt", encoding="utf-8") as fh:
+            results = json.load(fh)
         log = folder / "rounds.csv.gz"
         out = BenchOutput(results, read_rounds(log) if log.is_file() else [])
         text = markdown(results, out.rounds)
