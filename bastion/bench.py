@@ -45,7 +45,8 @@ from .drafter_io import precheck_local_drafter
 from .engine import Engine, GenerationConfig
 from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf, shown_path
 from .kernels import cpu_native
-from .kernels.cpu_linear import MODES, use_skinny_linear
+from .kernels.cpu_linear import MODES
+from .probe import set_drafter_products
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
 ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
@@ -387,9 +388,7 @@ def _engine_on(a, target, drafter_name: str | None, flag: str, mode: str | None 
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load{flag}: {exc}") from None
     if drafter is not None:
-        mode = mode or drafter_linear(a)  # auto: its default bf16 until the probe times both
-        use_skinny_linear(drafter, "native-bf16" if mode == "auto" else mode)
-        drafter.tune_products = mode == "auto"
+        set_drafter_products(drafter, mode or drafter_linear(a))
     return Engine(target, drafter, kernels=a.kernels, datastore=datastore)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
-from .kernels.cpu_linear import MODES, use_skinny_linear
+from .kernels.cpu_linear import MODES
 from .loading import EMBEDDED, EVAL_PROMPTS, encode_prompt, load_default_datastore, load_default_drafter, load_target
 from .simulate import simulate_tau, simulations
 from .target import Target
@@ -274,10 +274,9 @@ def set_products(drafter: DFlashDrafter, target: Target, mode: str) -> str:
     (:func:`bastion.probe.tune_drafter_products`) picks on this host — the two modes' drafts differ
     within bf16 rounding, and so may a few proposals; returns the mode as the benchmark records it."""
     from .bench_runs import linear_mode
-    from .probe import tune_drafter_products
+    from .probe import set_drafter_products, tune_drafter_products
 
-    use_skinny_linear(drafter, "native-bf16" if mode == "auto" else mode)
-    drafter.tune_products = mode == "auto"
+    set_drafter_products(drafter, mode)
     tune_drafter_products(drafter, target)
     return linear_mode(drafter)
 

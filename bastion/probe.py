@@ -178,6 +178,16 @@ DRAFTER_MODES = ("native-bf16", "native-f32")  # the drafter's default (bf16, ha
 DRAFTER_MARGIN = 0.03  # float32 must be this much faster to be chosen (a noisy near-tie stays bf16)
 
 
+def set_drafter_products(drafter, mode: str) -> None:
+    """Put the drafter's linear layers in ``mode`` (one of ``cpu_linear.MODES``), or with ``"auto"`` in
+    its default bf16 panels and leave the choice to :func:`tune_drafter_products` (the engine's probe);
+    a named mode is kept there."""
+    from .kernels.cpu_linear import use_skinny_linear
+
+    use_skinny_linear(drafter, "native-bf16" if mode == "auto" else mode)
+    drafter.tune_products = mode == "auto"
+
+
 def tune_drafter_products(drafter, target: Target, context: int = PROBE_CONTEXT, repeats: int = 3,
                           drafts: int = 3, fresh: int = 3) -> str | None:
     """Set a CPU drafter's products to the faster of bf16 panels (mode ``native-bf16``, its default:
