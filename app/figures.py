@@ -256,61 +256,87 @@ def _ms_per_token(records: list[dict]) -> list[float]:
     return [1e3 * sum(r["times"][k] for r in records) / tokens for k in STAGES]
 
 
-def speed_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
-    """Tokens/s of the AR baseline and of the chosen strategy over decode time, and ms/token per stage."""
-    if not baseline and not steps:
-        return empty_figure("run a prompt to measure speed")
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.14,
-                        subplot_titles=("tokens/s so far (decode)", "ms/token by stage"))
-    runs = [(name, recs) for name, recs in (("AR baseline", baseline), (steps[0]["strategy"] if steps else "", steps))
-            if recs]
-    for name, recs in runs:
-        xs, ys = _rate_series(recs)
-        color = COLORS["ar"] if recs is baseline else COLORS["main"]
-        fig.add_trace(go.Scatter(x=xs, y=ys, name=name, mode="lines", line=dict(color=color, width=3)), row=1, col=1)
-    for k, stage in enumerate(STAGES):
-        fig.add_trace(go.Bar(y=[name for name, _ in runs], x=[_ms_per_token(recs)[k] for _, recs in runs],
-                             name=stage, orientation="h", marker_color=COLORS[stage]), row=1, col=2)
-    fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="s", row=1, col=1)
-    fig.update_xaxes(title_text="ms / token", row=1, col=2)
-    title = "Speed"
+def _speed_title(baseline: list[dict], steps: list[dict]) -> str:
     if baseline and steps:
-        ar = _rate_series(baseline)[1]
-        main = _rate_series(steps)[1]
+        ar, main = _rate_series(baseline)[1], _rate_series(steps)[1]
         if ar and main and ar[-1] > 0:
             tau = sum(len(r["tokens"]) for r in steps) / len(steps)
-            title = (f"{steps[0]['strategy']} {main[-1]:.1f} tok/s vs AR {ar[-1]:.1f} tok/s: "
-                     f"speedup {main[-1] / ar[-1]:.2f}×, τ = {tau:.2f}")
-    return _base_layout(fig, title, 380)
+            # two short lines: one long line was cut off in a phone-wide plot
+            return (f"speedup {main[-1] / ar[-1]:.2f}×, τ = {tau:.2f}<br><sup>{steps[0]['strategy']} "
+                    f"{main[-1]:.1f} tok/s vs AR {ar[-1]:.1f} tok/s</sup>")
+    return "tokens/s so far (decode)"
+
+
+def _runs(baseline: list[dict], steps: list[dict]) -> list[tuple[str, list[dict]]]:
+    named = (("AR baseline", baseline), (steps[0]["strategy"] if steps else "", steps))
+    return [(name, recs) for name, recs in named if recs]
+
+
+# Each of the speed and latency panels is a figure of its own: the page puts two figures of a row side
+# by side and stacks them on a phone-wide screen, while two subplots of one figure stay side by side
+# and their titles ran into each other there (session 48's 420-px screenshots).
+def speed_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
+    """Cumulative decode tokens/s of the AR baseline and of the chosen strategy after every round;
+    the title states the final speedup and the strategy's τ (tokens per target forward)."""
+    if not baseline and not steps:
+        return empty_figure("run a prompt to measure speed")
+    fig = go.Figure()
+    for name, recs in _runs(baseline, steps):
+        xs, ys = _rate_series(recs)
+        color = COLORS["ar"] if recs is baseline else COLORS["main"]
+        fig.add_trace(go.Scatter(x=xs, y=ys, name=name, mode="lines", line=dict(color=color, width=3)))
+    fig.update_xaxes(title_text="decode time (s)")
+    fig.update_yaxes(title_text="tokens/s so far")
+    return _base_layout(fig, _speed_title(baseline, steps), 340)
+
+
+def stages_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
+    """Milliseconds per generated token of each run, split into the round's stages (stacked bars)."""
+    runs = _runs(baseline, steps)
+    if not runs:
+        return empty_figure("run a prompt to see where the time goes")
+    fig = go.Figure()
+    for k, stage in enumerate(STAGES):
+        fig.add_trace(go.Bar(y=[name for name, _ in runs], x=[_ms_per_token(recs)[k] for _, recs in runs],
+                             name=stage, orientation="h", marker_color=COLORS[stage]))
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="ms / token")
+    fig.update_yaxes(automargin=True)
+    fig = _base_layout(fig, "ms per token by stage", 340)
+    fig.update_layout(legend_y=-0.3)  # below the axis title, which the default position overlapped
+    return fig
 
 
 # ----------------------------------------------------------------------------- latency model
-def latency_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, list]]) -> go.Figure:
-    """Left: predicted vs measured verification time per round. Right: C(n) curves at round ``index``'s
-    context with every round's measured (size, time) point."""
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("verify ms per round", f"C(n) at round {index}"))
+def latency_figure(steps: list[dict], index: int) -> go.Figure:
+    """Predicted (before the round, by the calibrated model) against measured verification time per
+    round; a dotted line marks round ``index``."""
     rounds = [r["index"] for r in steps]
+    fig = go.Figure()
     fig.add_trace(go.Scatter(x=rounds, y=[1e3 * r["predicted_verify_s"] for r in steps], name="predicted",
-                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["predicted"])),
-                  row=1, col=1)
+                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["predicted"])))
     fig.add_trace(go.Scatter(x=rounds, y=[1e3 * r["measured_verify_s"] for r in steps], name="measured",
-                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["measured"])),
-                  row=1, col=1)
-    fig.add_vline(x=index, line=dict(color="#6c757d", dash="dot"), row=1, col=1)
+                             mode="lines+markers", marker=dict(size=4), line=dict(color=COLORS["measured"])))
+    fig.add_vline(x=index, line=dict(color="#6c757d", dash="dot"))
+    fig.update_xaxes(title_text="round")
+    fig.update_yaxes(title_text="verify ms")
+    return _base_layout(fig, "Verify time: predicted vs measured", 380)
+
+
+def cost_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, list]]) -> go.Figure:
+    """C(n), the predicted verification time of an n-node tree, at round ``index``'s context for each
+    device in ``curves`` ({name: (sizes, seconds)}), with every round's measured (size, time) point."""
+    fig = go.Figure()
     dashes = iter(("solid", "dash", "dot", "dashdot"))
     for name, (ns, secs) in curves.items():
         fig.add_trace(go.Scatter(x=ns, y=[1e3 * s for s in secs], name=name, mode="lines",
-                                 line=dict(dash=next(dashes, "solid"), width=2)), row=1, col=2)
+                                 line=dict(dash=next(dashes, "solid"), width=2)))
     fig.add_trace(go.Scatter(x=[len(r["tree"]["tokens"]) for r in steps],
                              y=[1e3 * r["measured_verify_s"] for r in steps], name="measured (all rounds)", mode="markers",
-                             marker=dict(color=COLORS["measured"], size=6, opacity=0.5)), row=1, col=2)
-    fig.update_yaxes(title_text="ms", row=1, col=1)
-    fig.update_yaxes(title_text="ms (log)", type="log", row=1, col=2)
-    fig.update_xaxes(title_text="round", row=1, col=1)
-    fig.update_xaxes(title_text="tree size n", row=1, col=2)
-    return _base_layout(fig, "Latency model: online-calibrated roofline", 420)
+                             marker=dict(color=COLORS["measured"], size=6, opacity=0.5)))
+    fig.update_xaxes(title_text="tree size n")
+    fig.update_yaxes(title_text="ms (log)", type="log")
+    return _base_layout(fig, f"C(n) at round {index}'s context", 380)
 
 
 # ----------------------------------------------------------------------------- calibration

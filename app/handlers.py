@@ -40,7 +40,9 @@ class View:
     tree: Any = field(default_factory=gr.skip)
     gain: Any = field(default_factory=gr.skip)
     speed: Any = field(default_factory=gr.skip)
+    stages: Any = field(default_factory=gr.skip)
     latency: Any = field(default_factory=gr.skip)
+    cost: Any = field(default_factory=gr.skip)
     whatif: Any = field(default_factory=gr.skip)
     whatif_md: Any = field(default_factory=gr.skip)
     calibration: Any = field(default_factory=gr.skip)
@@ -221,7 +223,8 @@ def round_view(run: dict, index: int, device: str) -> View:
           else figures.empty_figure("no draft in this round (AR, or draft skipped)"))
     return View(text=figures.tokens_html(records, index, _sep(run)), tree=figures.tree_figure(rec),
                 gain=figures.gain_cost_figure(rec),
-                latency=figures.latency_figure(records, index, cost_curves(rec, run["model"], device, max_n)),
+                latency=figures.latency_figure(records, index),
+                cost=figures.cost_figure(records, index, cost_curves(rec, run["model"], device, max_n)),
                 whatif=wf, whatif_md=whatif_markdown(rec, plan, device))
 
 
@@ -230,6 +233,7 @@ def full_view(run: dict, device: str, index: int | None = None) -> View:
     index = len(records) - 1 if index is None else index
     view = round_view(run, index, device)
     view.speed = figures.speed_figure(run["baseline"], run["steps"])
+    view.stages = figures.stages_figure(run["baseline"], run["steps"])
     view.calibration = figures.calibration_figure(run.get("calibration"))
     view.stats = stats_markdown(run)
     view.scrubber = gr.Slider(minimum=0, maximum=max(1, len(records) - 1), value=index, interactive=len(records) > 1,
@@ -263,8 +267,9 @@ def stopped_view(run: dict, device: str) -> View:
 def _blank(message: str = "") -> View:
     empty = figures.empty_figure
     return View(text=figures.tokens_html([]), stats="", message=error_box(message), tree=empty("draft tree"),
-                gain=empty("gain vs cost"), speed=empty("speed against AR"), latency=empty("latency model"),
-                whatif=empty("what-if hardware"), whatif_md="", calibration=empty("drafter calibration"))
+                gain=empty("gain vs cost"), speed=empty("speed against AR"), stages=empty("time per stage"),
+                latency=empty("latency model"), cost=empty("C(n)"), whatif=empty("what-if hardware"), whatif_md="",
+                calibration=empty("drafter calibration"))
 
 
 # ----------------------------------------------------------------------------- handlers

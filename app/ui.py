@@ -26,6 +26,7 @@ INTRO = (f"# {TITLE}\nA block-diffusion drafter proposes per-depth marginals; a 
          "the target's (lossless).")
 MAX_UPLOAD = "20mb"
 PLOT_MIN_PX = 380  # two plots of a row side by side down to ~800 px of page, stacked below (phones)
+SMALL_PLOT_MIN_PX = 300  # the speed row sits in the right column (3/5 of the page)
 # The run table keeps one line per cell and scrolls sideways on a narrow screen (its headers had
 # wrapped a letter a line at 420 px).
 CSS = "#stats table { display: block; overflow-x: auto; } #stats th, #stats td { white-space: nowrap; }"
@@ -78,7 +79,11 @@ def _layout(handlers: Handlers, prompts: dict) -> dict:
         with gr.Column(scale=3):
             c["text"] = gr.HTML(tokens_html([]), label="Output", elem_id="output-text")
             c["stats"] = gr.Markdown(elem_id="stats")
-            c["speed"] = gr.Plot(empty_figure("speed against AR"), label="Speed against AR", elem_id="speed-plot")
+            with gr.Row():
+                c["speed"] = gr.Plot(empty_figure("speed against AR"), label="Speed against AR", scale=3,
+                                     min_width=SMALL_PLOT_MIN_PX, elem_id="speed-plot")
+                c["stages"] = gr.Plot(empty_figure("time per stage"), label="Time per stage", scale=2,
+                                      min_width=SMALL_PLOT_MIN_PX, elem_id="stages-plot")
     c["scrubber"] = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="scrubber",
                               label="Round (redraws from session state, no model run)")
     with gr.Row():
@@ -90,11 +95,16 @@ def _layout(handlers: Handlers, prompts: dict) -> dict:
         c["device"] = gr.Dropdown(list(WHATIF_DEVICES), value=THIS_MACHINE, label="What-if hardware",
                                   info="re-plan the shown round's tree under another device's roofline",
                                   elem_id="device")
-        c["whatif_md"] = gr.Markdown()
         with gr.Row():
-            c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", scale=3,
-                                   min_width=PLOT_MIN_PX)
-            c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=2, min_width=PLOT_MIN_PX)
+            c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", min_width=PLOT_MIN_PX,
+                                   elem_id="latency-plot")
+            c["cost"] = gr.Plot(empty_figure("C(n)"), label="Verification cost C(n)", min_width=PLOT_MIN_PX,
+                                elem_id="cost-plot")
+        with gr.Row():
+            c["whatif"] = gr.Plot(empty_figure("what-if hardware"), label="What-if", scale=3, min_width=PLOT_MIN_PX,
+                                  elem_id="whatif-plot")
+            with gr.Column(scale=2, min_width=PLOT_MIN_PX):
+                c["whatif_md"] = gr.Markdown()
     with gr.Accordion("Drafter calibration: confidence vs acceptance", open=False):
         c["calibration"] = gr.Plot(empty_figure("drafter calibration"), label="Drafter calibration",
                                    elem_id="calibration-plot")

@@ -246,7 +246,7 @@ def test_a_run_streams_text_and_draws_figures_only_once_it_ends(monkeypatch):
     monkeypatch.setattr(app.handlers, "TEXT_EVERY_S", 0.0)  # a live update after every round
     views = [dict(zip(VIEW_FIELDS, v)) for v in Handlers(tiny_runtime()).run(
         "hello", "bastion", 8, 0.0, 1.0, 16, 0, True, THIS_MACHINE, None)]
-    figure_fields = ("tree", "gain", "speed", "latency", "whatif", "calibration")
+    figure_fields = ("tree", "gain", "speed", "stages", "latency", "cost", "whatif", "calibration")
     live = views[1:-1]
     assert len(live) >= 16 and {v["stats"].split("**")[1][:1] for v in live} == {"①", "②"}  # baseline, then Bastion
     for v in live:

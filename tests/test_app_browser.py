@@ -65,6 +65,15 @@ def open_calibration(page) -> None:
     page.wait_for_selector("#calibration-plot .js-plotly-plot .scatterlayer .points path", timeout=TIMEOUT_MS)
 
 
+PLOT_PAIRS = (("tree", "gain"), ("speed", "stages"), ("latency", "cost"))
+
+
+def stacked(page, upper: str, lower: str) -> bool:
+    """Whether plot ``lower`` starts below the bottom of plot ``upper`` (ids without '-plot')."""
+    return page.evaluate(f"document.querySelector('#{lower}-plot').getBoundingClientRect().top >= "
+                         f"document.querySelector('#{upper}-plot').getBoundingClientRect().bottom")
+
+
 def tree_title(page) -> str:
     return page.locator("#tree-plot .gtitle").first.text_content()
 
@@ -112,6 +121,8 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         last = int(page.locator("#scrubber input[type=number]").input_value())
         assert last >= 1 and tree_title(page).startswith(f"Round {last}:")
         page.screenshot(path=str(tmp_path / "after_run.png"), full_page=True)
+        assert not any(stacked(page, a, b) for a, b in PLOT_PAIRS)  # side by side on a wide page
+        assert "speedup" in page.locator("#speed-plot .gtitle").first.text_content()
         open_calibration(page)
         assert "Drafter calibration" in page.locator("#calibration-plot .gtitle").first.text_content()
         scrub_to(page, 0)
@@ -131,6 +142,7 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         page.set_viewport_size({"width": 420, "height": 900})
         page.wait_for_function("document.querySelector('#gain-plot').getBoundingClientRect().top >= "
                                "document.querySelector('#tree-plot').getBoundingClientRect().bottom", timeout=10000)
+        assert all(stacked(page, a, b) for a, b in PLOT_PAIRS)
         header = page.locator("#stats th").first.bounding_box()
         assert header["height"] < 3 * page.locator("#stats td").first.bounding_box()["height"]
         assert page.evaluate("getComputedStyle(document.querySelector('#stats th')).whiteSpace") == "nowrap"

@@ -152,25 +152,31 @@ def test_gain_cost_of_an_ar_round_is_one_point():
     assert figures.gain_cost_points(step)["n"] == [1]
 
 
-def test_speed_figure_reports_measured_speedup():
+def test_speed_and_stage_figures_report_measured_speedup_and_time_per_token():
     ar = [dict(make_step([-1], [0], index=i, strategy="ar"), clock_s=0.1 * (i + 1)) for i in range(6)]
     main = [dict(make_step(PARENTS, ACCEPTED, index=i), clock_s=0.1 * (i + 1)) for i in range(2)]
     fig = figures.speed_figure(ar, main)
     # AR: 6 tokens in 0.6 s; main: 8 tokens in 0.2 s
     assert "speedup 4.00×" in fig.layout.title.text and "τ = 4.00" in fig.layout.title.text
-    bars = [t for t in fig.data if t.type == "bar"]
+    assert [t.name for t in fig.data] == ["AR baseline", "bastion"]
+    assert math.isclose(fig.data[1].y[-1], 8 / 0.2)
+    bars = figures.stages_figure(ar, main).data
     assert [b.name for b in bars] == list(figures.STAGES)
     assert math.isclose(sum(b.x[0] for b in bars), 1e3 * 0.025)  # AR: 25 ms of stages per token
+    assert figures.speed_figure(ar, []).layout.title.text == "tokens/s so far (decode)"  # no speedup without both
+    assert figures.stages_figure([], []).layout.annotations
 
 
-def test_latency_figure_draws_curves_and_marks_round():
+def test_latency_and_cost_figures_draw_curves_and_mark_round():
     steps = [make_step(PARENTS, ACCEPTED, index=i) for i in range(4)]
     curves = {"here": ([1, 2, 3], [0.01, 0.02, 0.03]), "H200": ([1, 2, 3], [1e-4, 1e-4, 2e-4])}
-    fig = figures.latency_figure(steps, 2, curves)
-    names = [t.name for t in fig.data]
-    assert {"predicted", "measured", "here", "H200", "measured (all rounds)"} <= set(names)
+    fig = figures.latency_figure(steps, 2)
+    assert [t.name for t in fig.data] == ["predicted", "measured"]
     assert fig.layout.shapes[0].x0 == 2
-    assert fig.layout.yaxis2.type == "log"
+    cost = figures.cost_figure(steps, 2, curves)
+    assert [t.name for t in cost.data] == ["here", "H200", "measured (all rounds)"]
+    assert list(cost.data[0].y) == [10.0, 20.0, 30.0]  # ms
+    assert cost.layout.yaxis.type == "log" and "round 2" in cost.layout.title.text
 
 
 def test_copied_nodes_are_squares_with_their_own_hover_and_gain_series():
