@@ -164,7 +164,10 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
 
     ``gen_dtype`` (e.g. bfloat16; default the target's dtype): write the requests and continuations
     with a copy of the target in that dtype — on a CPU with AMX, bf16 generation at batch 64 wrote
-    534 tokens/s against float32's 220–273 at batch 32 (session 27, 64 new tokens). Its greedy path
+    534 tokens/s against float32's 220–273 at batch 32 (session 27, 64 new tokens, before the float32
+    path kept its generation's features); with features, the float32 target writing itself is now the
+    faster (session 50, the AMX Xeon, 160 new tokens: 160 replies a minute at batch 32 against bf16's
+    113 at batch 64, whose records need the second forward below). Its greedy path
     leaves the target's now and then (on 18 of 32 replies within 64 tokens), so the records' forward,
     in the target's own dtype, also checks every reply token against the target's greedy choice:
     ``agree`` [n] bool marks the tokens the target itself would have written after the text before
