@@ -335,7 +335,10 @@ def cost_figure(steps: list[dict], index: int, curves: dict[str, tuple[list, lis
                              y=[1e3 * r["measured_verify_s"] for r in steps], name="measured (all rounds)", mode="markers",
                              marker=dict(color=COLORS["measured"], size=6, opacity=0.5)))
     fig.update_xaxes(title_text="tree size n")
-    fig.update_yaxes(title_text="ms (log)", type="log")
+    # 1-2-5 ticks: plotly's own log ticks crowded the axis with small digits once one stalled
+    # verification stretched the range past a decade
+    ticks = [m * 10 ** e for e in range(-1, 4) for m in (1, 2, 5)]
+    fig.update_yaxes(title_text="ms (log)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
     return _base_layout(fig, f"C(n) at round {index}'s context", 380)
 
 

@@ -177,6 +177,7 @@ def test_latency_and_cost_figures_draw_curves_and_mark_round():
     assert [t.name for t in cost.data] == ["here", "H200", "measured (all rounds)"]
     assert list(cost.data[0].y) == [10.0, 20.0, 30.0]  # ms
     assert cost.layout.yaxis.type == "log" and "round 2" in cost.layout.title.text
+    assert {1, 2, 5, 10, 20} <= set(cost.layout.yaxis.tickvals) and "20" in cost.layout.yaxis.ticktext
 
 
 def test_copied_nodes_are_squares_with_their_own_hover_and_gain_series():
