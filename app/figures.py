@@ -20,11 +20,11 @@ STAGES = ("draft", "build", "verify", "commit")
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
-def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+def _base_layout(fig: go.Figure, title: str, height: int, legend_y: float = -0.2) -> go.Figure:
     # legends go under the plot: above it they collide with titles and subplot titles
     fig.update_layout(title=dict(text=title, font=dict(size=14)), height=height, font=FONT,
                       margin=dict(l=55, r=25, t=60, b=40), template="plotly_white",
-                      legend=dict(orientation="h", yanchor="top", y=-0.2, x=0, font=dict(size=11)))
+                      legend=dict(orientation="h", yanchor="top", y=legend_y, x=0, font=dict(size=11)))
     return fig
 
 
@@ -302,9 +302,8 @@ def stages_figure(baseline: list[dict], steps: list[dict]) -> go.Figure:
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="ms / token")
     fig.update_yaxes(automargin=True)
-    fig = _base_layout(fig, "ms per token by stage", 340)
-    fig.update_layout(legend_y=-0.3)  # below the axis title, which the default position overlapped
-    return fig
+    # the legend lower than elsewhere: at -0.2 it overlapped this figure's axis title
+    return _base_layout(fig, "ms per token by stage", 340, legend_y=-0.3)
 
 
 # ----------------------------------------------------------------------------- latency model

@@ -68,10 +68,14 @@ def open_calibration(page) -> None:
 PLOT_PAIRS = (("tree", "gain"), ("speed", "stages"), ("latency", "cost"))
 
 
+def stacked_js(upper: str, lower: str) -> str:
+    """A JS expression: plot ``lower`` starts below the bottom of plot ``upper`` (ids without '-plot')."""
+    return (f"document.querySelector('#{lower}-plot').getBoundingClientRect().top >= "
+            f"document.querySelector('#{upper}-plot').getBoundingClientRect().bottom")
+
+
 def stacked(page, upper: str, lower: str) -> bool:
-    """Whether plot ``lower`` starts below the bottom of plot ``upper`` (ids without '-plot')."""
-    return page.evaluate(f"document.querySelector('#{lower}-plot').getBoundingClientRect().top >= "
-                         f"document.querySelector('#{upper}-plot').getBoundingClientRect().bottom")
+    return page.evaluate(stacked_js(upper, lower))
 
 
 def tree_title(page) -> str:
@@ -140,8 +144,7 @@ def test_page_runs_a_prompt_and_scrubs_rounds(tiny_app, tmp_path):
         page.screenshot(path=str(tmp_path / "after_bad_upload.png"), full_page=True)
         # on a phone-wide page the plots of a row stack and the run table keeps one line per cell
         page.set_viewport_size({"width": 420, "height": 900})
-        page.wait_for_function("document.querySelector('#gain-plot').getBoundingClientRect().top >= "
-                               "document.querySelector('#tree-plot').getBoundingClientRect().bottom", timeout=10000)
+        page.wait_for_function(stacked_js("tree", "gain"), timeout=10000)  # the page has re-flowed
         assert all(stacked(page, a, b) for a, b in PLOT_PAIRS)
         header = page.locator("#stats th").first.bounding_box()
         assert header["height"] < 3 * page.locator("#stats td").first.bounding_box()["height"]
