@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import lzma
 import os
 import platform
 import statistics
@@ -157,8 +158,10 @@ ROUND_INTS = frozenset({"prompt", "repeat", "round", "tree_size", "rows", "conte
 
 
 def read_rounds(path: Path) -> list[dict]:
-    """rounds.csv.gz back as the dicts :func:`write_report` wrote (ints and floats restored)."""
-    with gzip.open(path, "rt", newline="") as fh:
+    """rounds.csv.gz — or an archived folder's rounds.csv.xz — back as the dicts :func:`write_report`
+    wrote (ints and floats restored)."""
+    opener = lzma.open if path.suffix == ".xz" else gzip.open
+    with opener(path, "rt", newline="") as fh:
         return [{k: v if k in ("strategy", "category") else int(v) if k in ROUND_INTS else float(v)
                  for k, v in row.items()} for row in csv.DictReader(fh)]
 
@@ -175,8 +178,9 @@ def redraw(folder: Path) -> list[Path]:
         opener = gzip.open if source.suffix == ".gz" else open
         with opener(source, "rt", encoding="utf-8") as fh:
             results = json.load(fh)
-        log = folder / "rounds.csv.gz"
-        out = BenchOutput(results, read_rounds(log) if log.is_file() else [])
+        # older folders keep their per-round log as xz, a third smaller than gzip (bench/NOTES.md)
+        log = next((p for p in (folder / "rounds.csv.gz", folder / "rounds.csv.xz") if p.is_file()), None)
+        out = BenchOutput(results, read_rounds(log) if log else [])
         text = markdown(results, out.rounds)
     except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
         raise ValueError(f"{folder} holds no readable benchmark results ({type(exc).__name__}: {exc})") from None
