@@ -887,6 +887,36 @@ def test_bf16_generated_data_is_checked_and_recorded(tmp_path):
         main(["data", "--gen-dtype", "float32"] + common)
 
 
+@pytest.mark.slow
+def test_a_bf16_copy_writes_the_self_requests_and_float32_the_replies(tmp_path, monkeypatch, capsys):
+    """``data --corpus self --request-dtype bfloat16``: a bf16 copy samples the request list, the
+    float32 target writes the replies (features streamed from its own generation, no ``agree``), and
+    the folder records both dtypes; with another corpus the flag is refused before anything loads."""
+    from bastion import traindata
+    from bastion.train import main
+
+    writers = []
+    real = traindata.make_requests
+
+    def spy(target, n, **kw):
+        writers.append(next(kw["model"].parameters()).dtype)
+        return real(target, n, **kw)
+
+    monkeypatch.setattr(traindata, "make_requests", spy)
+    data = tmp_path / "data"
+    common = ["--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "16", "--threads", "1"]
+    assert main(["data", "--corpus", "self", "--request-dtype", "bfloat16"] + common) == 0
+    assert writers == [torch.bfloat16]
+    assert len(json.loads((data / "requests.json").read_text())) == 2
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["request_dtype"] == "bfloat16" and meta["gen_dtype"] == "float32"
+    recs = torch.load(data / "shard_00000.pt")
+    assert len(recs) == 2 and all("feats" in r and "agree" not in r for r in recs)
+    with pytest.raises(SystemExit):
+        main(["data", "--corpus", "base", "--request-dtype", "bfloat16", "--out", str(tmp_path / "b")])
+    assert "--request-dtype is for --corpus self" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
 def test_feature_noise_is_scaled_per_layer_and_drawn_from_its_seed():
     """noisy_features: x + σ·rms(x)·ε per token and per feature layer — a layer ten times larger gets
     ten times the noise — the same seed draws the same noise, another seed other noise, σ = 0 none."""
