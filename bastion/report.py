@@ -157,11 +157,17 @@ def write_report(out: BenchOutput, folder: Path) -> list[Path]:
 ROUND_INTS = frozenset({"prompt", "repeat", "round", "tree_size", "rows", "context", "tokens", "threads"})
 
 
+def _open_text(path: Path, **kw):
+    """``path`` opened for reading text, decompressed by its suffix (.gz, .xz) — older folders keep
+    their results.json gzipped and their per-round log as xz (bench/NOTES.md)."""
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    return opener(path, "rt", **kw)
+
+
 def read_rounds(path: Path) -> list[dict]:
     """rounds.csv.gz — or an archived folder's rounds.csv.xz — back as the dicts :func:`write_report`
     wrote (ints and floats restored)."""
-    opener = lzma.open if path.suffix == ".xz" else gzip.open
-    with opener(path, "rt", newline="") as fh:
+    with _open_text(path, newline="") as fh:
         return [{k: v if k in ("strategy", "category") else int(v) if k in ROUND_INTS else float(v)
                  for k, v in row.items()} for row in csv.DictReader(fh)]
 
@@ -175,8 +181,7 @@ def redraw(folder: Path) -> list[Path]:
     if source is None:  # older folders keep theirs gzipped (bench/NOTES.md)
         raise FileNotFoundError(f"{folder / 'results.json'} does not exist: not a benchmark folder")
     try:
-        opener = gzip.open if source.suffix == ".gz" else open
-        with opener(source, "rt", encoding="utf-8") as fh:
+        with _open_text(source, encoding="utf-8") as fh:
             results = json.load(fh)
         # older folders keep their per-round log as xz, a third smaller than gzip (bench/NOTES.md)
         log = next((p for p in (folder / "rounds.csv.gz", folder / "rounds.csv.xz") if p.is_file()), None)

@@ -195,11 +195,13 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
                            {"corpus": "base", "seed": 0, "features": True,
                             "gen_dtype": str(target.dtype).removeprefix("torch.")})
     tok = target.tokenizer
-    model = target.model if gen_dtype == target.dtype else target.plain_copy(gen_dtype)
+    def in_dtype(dtype: torch.dtype):  # the target itself, or a plain copy in another dtype
+        return target.model if dtype == target.dtype else target.plain_copy(dtype)
+
+    model = in_dtype(gen_dtype)
     check = model is not target.model
     if corpus == "self":
-        writer = model if request_dtype == gen_dtype else (
-            target.model if request_dtype == target.dtype else target.plain_copy(request_dtype))
+        writer = model if request_dtype == gen_dtype else in_dtype(request_dtype)
         prompts = _requests_file(target, out, n_prompts, seed, batch=batch, model=writer)
         del writer  # a bf16 copy's memory back before the replies
     else:
