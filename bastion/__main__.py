@@ -43,6 +43,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--node-cost", action="store_true",
                    help="price the host's tree-building and commit time per node in the throughput rule (for "
                         "hosts where a verification costs the same for 1 and 64 rows, e.g. a small model on a GPU)")
+    g.add_argument("--no-couple", action="store_true",
+                   help="T > 0: rank draft candidates by the drafter's q alone, not also by the target's own "
+                        "Gumbel draws (coupled drafting, bastion/coupling.py; the output is the same either way)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to plain greedy decoding); > 0 samples exactly as the target")
@@ -69,7 +72,7 @@ def _checked_config(a) -> GenerationConfig:
                            skip_draft=not a.no_skip_draft, lookup=not a.no_lookup, datastore=not a.no_datastore,
                            condition=not a.no_condition,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
-                           adaptive_depth=not a.full_depth, node_cost=a.node_cost)
+                           adaptive_depth=not a.full_depth, node_cost=a.node_cost, couple=not a.no_couple)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -75,6 +75,7 @@ class Strategy:
     pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
     adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
     node_cost: bool = False  # 'bastion:nodecost' prices the host's work per tree node (hostcost.py)
+    couple: bool = True      # noise-coupled drafting at T > 0 (coupling.py); 'NAME:nocouple' leaves it out
     drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
@@ -82,7 +83,7 @@ class Strategy:
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
                                 condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth,
-                                node_cost=self.node_cost)
+                                node_cost=self.node_cost, couple=self.couple)
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -103,11 +104,12 @@ def _strategy(name: str) -> Strategy:
         if s.kind in ("hf", "ar"):
             raise BenchError(f"strategy {name!r}: only drafting strategies run on --drafter-b")
         return replace(s, name=f"{s.name}@b", drafter_b=True)
-    if name.endswith(":nopad") and name != ":nopad":
-        s = _strategy(name[:-len(":nopad")])
-        if s.kind in ("hf", "ar"):
-            raise BenchError(f"strategy {name!r}: only drafting strategies pad their trees")
-        return replace(s, name=f"{s.name}:nopad", pad_rows=False)
+    for suffix, attr, what in ((":nopad", "pad_rows", "pad their trees"), (":nocouple", "couple", "draft coupled")):
+        if name.endswith(suffix) and name != suffix:
+            s = _strategy(name[:-len(suffix)])
+            if s.kind in ("hf", "ar"):
+                raise BenchError(f"strategy {name!r}: only drafting strategies {what}")
+            return replace(s, name=f"{s.name}{suffix}", **{attr: False})
     if name in ENGINE_STRATEGIES:
         return Strategy(name, name)
     if name in HF_BASELINES:
@@ -133,7 +135,7 @@ def _strategy(name: str) -> Strategy:
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, bastion:nodecost, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, and then in @b)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, bastion:nodecost, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad or :nocouple, and then in @b)")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class GenerationConfig:
     condition: bool = True   # bastion at T = 0: re-weight each node's children by the datastore's n-grams (datastore.NgramPrior)
     pad_rows: bool = True    # run each verification as the cheapest row count >= its size (RowPadding)
     adaptive_depth: bool = True  # bastion: draft only the depths recent trees reach, see DraftDepth
+    couple: bool = True      # drafting strategies at T > 0: rank candidates by the target's own Gumbel draws, see coupling.py
     node_cost: bool = False  # price the host's build + commit time per tree node in the throughput rule (hostcost.py)
 
     def validate(self) -> None:

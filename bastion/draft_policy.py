@@ -50,6 +50,11 @@ class DraftDepth:
             return self.full
         return max(1, min(self.full, max(self.floor, max(self.recent) + self.margin)))
 
+    def reach(self) -> int:
+        """One depth past the deepest drafter node of the last ``window`` trees (all ``full`` depths
+        before the first tree, or when D is fixed): the depths worth coupling (``bastion.coupling``)."""
+        return min(self.full, max(self.recent) + 1) if self.recent else self.full
+
     def width(self, cap: int) -> int:
         """Candidates per depth to keep for a tree of at most ``cap`` drafter nodes."""
         if not self.sizes:
@@ -67,6 +72,15 @@ class DraftDepth:
         if len(self.recent) > self.window:
             self.recent.popleft()
             self.sizes.popleft()
+
+
+def depth_policy(cfg, drafter) -> DraftDepth:
+    """A request's :class:`DraftDepth`: adaptive for Bastion (unless ``cfg.adaptive_depth`` is off),
+    else fixed at the block's B − 1 depths (``fixed``: at most its budget; no drafter: 1)."""
+    full = drafter.block_size - 1 if drafter is not None else 1
+    if cfg.strategy == "bastion" and cfg.adaptive_depth:
+        return DraftDepth(full)
+    return DraftDepth(min(full, cfg.budget) if cfg.strategy == "fixed" else full, window=0)
 
 
 @dataclass

@@ -14,10 +14,11 @@ import torch
 
 from .calibration import AcceptanceCalibrator
 from .config import GenerationConfig, stop_token_ids
+from .coupling import DraftNoise, coupled_logq
 from .drafter import DFlashDrafter
 from .drafter_ops import request_vocab, widen_vocab
 from .datastore import NgramPrior
-from .draft_policy import DraftDepth, DraftGate
+from .draft_policy import DraftGate, depth_policy
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
@@ -81,8 +82,9 @@ class Engine:
     def _rule_key(cfg: GenerationConfig) -> tuple:
         return (cfg.temperature, cfg.top_k or 0, cfg.top_p or 1.0) if cfg.temperature > 0 else (0.0, 0, 1.0)
 
-    def calibrator(self, cfg: GenerationConfig) -> AcceptanceCalibrator:
-        return self.calibrators.setdefault(self._rule_key(cfg), AcceptanceCalibrator())
+    def calibrator(self, cfg: GenerationConfig) -> AcceptanceCalibrator:  # coupled confidences (coupling.py): their own
+        return self.calibrators.setdefault((*self._rule_key(cfg), cfg.couple and cfg.temperature > 0),
+                                           AcceptanceCalibrator())
 
     def lookup_rates(self, cfg: GenerationConfig, source: str = "lookup") -> LookupStats:
         """Acceptance rates r(n, d) of a copy source ("lookup" or "datastore") under cfg's sampling rule."""
@@ -150,15 +152,6 @@ class Engine:
         the datastore holds greedy replies, and at T = 1 the re-weighted trees accepted a little less
         (two runs of 6 prompts, τ 1.67 → 1.65 and 1.71 → 1.67; bench/NOTES.md)."""
         return cfg.strategy == "bastion" and cfg.condition and self.prior is not None and cfg.temperature == 0
-
-    def _draft_depth(self, cfg: GenerationConfig) -> DraftDepth:
-        """The draft depth policy of a request (see :class:`DraftDepth`); fixed when not adaptive."""
-        full = self.drafter.block_size - 1 if self.drafter is not None else 1
-        if cfg.strategy == "bastion" and cfg.adaptive_depth:
-            return DraftDepth(full)
-        if cfg.strategy == "fixed":
-            full = min(full, cfg.budget)
-        return DraftDepth(full, window=0)
 
     def probe_latency(self, max_rows: int = PROBE_ROWS, sizes: tuple[int, ...] = PROBE_SIZES,
                       context: int = PROBE_CONTEXT, repeats: int = PROBE_REPEATS) -> None:
@@ -274,11 +267,13 @@ class Engine:
         vocab, in_vocab = request_vocab(getattr(self.drafter, "draft_vocab", None), prompt_ids)
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         # sampled draws: each position's noise row hashed once per request, not once per round
-        noise = GumbelRows(params.seed, target.device) if params.temperature > 0 and self.kernels.reuses_noise else None
+        coupled = cfg.couple and dcache is not None and params.temperature > 0  # coupling.py
+        noise = GumbelRows(params.seed, target.device) if coupled or (params.temperature > 0 and self.kernels.reuses_noise) else None
         return Request(cfg, root=prompt_ids[-1], before_root=prompt_ids[-2] if len(prompt_ids) > 1 else None,
                         committed=len(prompt_ids), dcache=dcache, vocab=vocab, in_vocab=in_vocab,
                         calib=self.calibrator(cfg), copies=self.copy_sources(cfg, prompt_ids), gate=gate,
-                        depth=self._draft_depth(cfg), noise=noise, governor=governor,
+                        depth=depth_policy(cfg, self.drafter), noise=noise, governor=governor,
+                        draft_noise=DraftNoise(noise, target.vocab_size) if coupled else None,
                         prefill_s=time.perf_counter() - t_prefill,
                         text=TextStream(target.tokenizer.decode, prompt_ids) if target.tokenizer is not None else None)
 
@@ -291,6 +286,9 @@ class Engine:
                                       req.depth.depth())
             # never draft past the context limit; one host transfer of the top-k lists
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]
+            if req.draft_noise is not None:  # T > 0: rank by the target's own draws too (coupling.py)
+                logq = coupled_logq(logq, req.draft_noise, req.committed - 1, req.vocab, cfg.temperature,
+                                    req.depth.reach())
             k = 1 if cfg.strategy == "chain" else req.depth.width(self._rule(cfg).max_nodes)
             raw, ids = topk_tensors(logq, max(k, TOPK_RECORDED), req.vocab)
             raw = raw.float().cpu()

@@ -9,6 +9,7 @@ import torch
 
 from .calibration import AcceptanceCalibrator
 from .config import GenerationConfig
+from .coupling import DraftNoise
 from .draft_policy import DraftDepth, DraftGate
 from .drafter import DrafterCache
 from .expansion import Expansion
@@ -41,6 +42,7 @@ class Request:
     generated: int = 0
     index: int = 0
     text: TextStream | None = None  # the new tokens' text pieces (None: no tokenizer, the ids as text)
+    draft_noise: DraftNoise | None = None  # T > 0, coupled drafting: noise rows at the draft vocabulary
 
 
 @dataclass

@@ -138,7 +138,8 @@ def test_sampled_output_is_the_same_for_every_strategy():
 
 def test_noise_rows_are_hashed_once_per_position_and_change_no_draw(monkeypatch):
     """With the torch backend a request hashes each position's noise row once (GumbelRows), not
-    once per tree node and round; the tokens equal those of a backend that hashes every row anew."""
+    once per tree node and round — coupled drafting and the verification share it; the tokens equal
+    those of a backend that hashes every row anew (and drafts uncoupled)."""
     import dataclasses
 
     from bastion.kernels import TORCH
@@ -161,8 +162,8 @@ def test_noise_rows_are_hashed_once_per_position_and_change_no_draw(monkeypatch)
     fresh.kernels = dataclasses.replace(TORCH, reuses_noise=False)
     for strategy in ("fixed", "bastion"):
         cfg = GenerationConfig(strategy=strategy, max_new_tokens=24, temperature=1.0, seed=4, budget=9)
-        res = reusing.run([2, 3], cfg)
-        assert res.token_ids == fresh.run([2, 3], cfg).token_ids
+        res = reusing.run([2, 3], cfg)  # coupled drafting (the default) reads the same memo first
+        assert res.token_ids == fresh.run([2, 3], dataclasses.replace(cfg, couple=False)).token_ids
         nodes = res.mean_tree_size * res.steps
         # one row per position the walk reached, plus the rejected depths of the last round
         assert len(res.token_ids) <= memos[-1].computed <= len(res.token_ids) + drafter.block_size, \

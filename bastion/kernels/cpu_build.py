@@ -114,4 +114,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bastion_decoder_f32.restype = I
     lib.bastion_uniform_rows.argtypes = [V, I64, I64, V]
     lib.bastion_uniform_rows.restype = None
+    lib.bastion_uniform_cells.argtypes = [V, I64, V, I64, V]
+    lib.bastion_uniform_cells.restype = None
     return lib

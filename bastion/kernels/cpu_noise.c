@@ -29,3 +29,17 @@ void bastion_uniform_rows(const uint32_t *keys, int64_t n, int64_t vocab, float 
         }
     }
 }
+
+/* The same variates at a subset of each row's tokens, given their halves of the hash
+ * (col_keys[j] = mix32(v_j + 0x9E3779B9)): a drafter's vocabulary of ~8,600 tokens instead of a
+ * row of 49,152 (coupled drafting, bastion/coupling.py). */
+void bastion_uniform_cells(const uint32_t *keys, int64_t n, const uint32_t *col_keys, int64_t m, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t key = keys[i];
+        float *o = out + i * m;
+        for (int64_t j = 0; j < m; j++) {
+            uint32_t h = mix32(key ^ col_keys[j]);
+            o[j] = ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
+        }
+    }
+}

@@ -1,7 +1,7 @@
 """Row-wise native helpers of the kernel library (``cpu_gemm.c``, ``cpu_noise.c``; built and loaded by
 :mod:`cpu_native`): :func:`rms_norm`, the RMSNorm of a few rows in one pass instead of six torch ops;
 :func:`rope`, the rotary embedding bit for bit as transformers computes it, one call instead of
-fourteen ops; :func:`silu`, the MLP's activation; :func:`uniform_rows`, the sampler's uniform
+fourteen ops; :func:`silu`, the MLP's activation; :func:`uniform_rows` and :func:`uniform_cells`, the sampler's uniform
 variates; :func:`move_rows`, a verified tree's accepted cache rows moved in every layer at once.
 Each computes a row on its own, so results do not depend on how many rows a call holds.
 """
@@ -80,6 +80,18 @@ def uniform_rows(keys: list[int], vocab: int) -> torch.Tensor:
     out = torch.empty(len(keys), vocab, dtype=torch.float32)
     if len(keys) and vocab:
         lib.bastion_uniform_rows(k.data_ptr(), len(keys), vocab, out.data_ptr())
+    return out
+
+
+def uniform_cells(keys: list[int], col_keys: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.uniform_cells` natively: float32 [len(keys), m] for rows with these 32-bit
+    keys at the tokens whose :func:`reference.column_keys` are ``col_keys`` (int64 [m])."""
+    lib = _library()
+    k = torch.tensor([key & 0xFFFFFFFF for key in keys], dtype=torch.int64).to(torch.int32)
+    c = col_keys.to(torch.int64).to(torch.int32).contiguous()  # the low 32 bits, as the C side reads them
+    out = torch.empty(len(keys), len(c), dtype=torch.float32)
+    if len(keys) and len(c):
+        lib.bastion_uniform_cells(k.data_ptr(), len(keys), c.data_ptr(), len(c), out.data_ptr())
     return out
 
 

@@ -48,9 +48,18 @@ def uniform_stream(seed: int, offset: int, n: int, vocab: int, device=None,
         rows = counters.to(device=device, dtype=torch.int64) & _MASK32
     else:
         rows = torch.arange(offset, offset + n, device=device, dtype=torch.int64)
-    cols = torch.arange(vocab, device=device, dtype=torch.int64)
-    h = _mix32(row_keys(seed, rows)[:, None] ^ _mix32(cols + 0x9E3779B9)[None, :])
-    return bits_to_unit(h)
+    return uniform_cells(seed, rows, column_keys(torch.arange(vocab, device=device, dtype=torch.int64)))
+
+
+def column_keys(cols: torch.Tensor) -> torch.Tensor:
+    """The per-token half of the hash (int64 [m], values < 2^32) of token ids ``cols``."""
+    return _mix32(cols + 0x9E3779B9)
+
+
+def uniform_cells(seed: int, rows: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
+    """u [n, m] of stream rows ``rows`` (int64 [n], < 2^32) at the tokens whose :func:`column_keys`
+    are ``col_keys``: any subset of a row's columns, bit for bit as in the full row."""
+    return bits_to_unit(_mix32(row_keys(seed, rows)[:, None] ^ col_keys[None, :]))
 
 
 def _mix32_int(x: int) -> int:
@@ -105,13 +114,14 @@ class GumbelRows:
         self._rows: dict[int, torch.Tensor] = {}
         self.computed = 0  # rows hashed so far (for tests and profiling)
 
-    def rows(self, counters: list[int], vocab: int) -> torch.Tensor:
-        """Noise [len(counters), vocab] for these stream rows, hashing only the ones not seen yet."""
+    def rows(self, counters: list[int], vocab: int, keep_from: int | None = None) -> torch.Tensor:
+        """Noise [len(counters), vocab] for these stream rows, hashing only the ones not seen yet; rows
+        below ``keep_from`` (default: the lowest counter asked for) are dropped."""
         if self.vocab is None:
             self.vocab = vocab
         elif vocab != self.vocab:
             raise ValueError(f"noise rows were made for a vocabulary of {self.vocab}, got {vocab}")
-        low = min(counters)
+        low = min(counters) if keep_from is None else keep_from
         for c in [c for c in self._rows if c < low]:  # behind the walk: never drawn from again
             del self._rows[c]
         new = sorted({c for c in counters if c not in self._rows})
