@@ -298,7 +298,8 @@ class Runtime:
         def read() -> dict:
             cal = self.engine.calibrator(cfg)
             qs = [i / 40 for i in range(41)]
-            return {"temperature": cfg.temperature, "points": cal.reliability(), "qs": qs,
+            return {"temperature": cfg.temperature, "coupled": cfg.couple and cfg.temperature > 0,
+                    "points": cal.reliability(), "qs": qs,
                     "curves": {str(d): cal.curve(d, qs) for d in cal.depth_groups}, "path_scale": cal.path_scale}
 
         # torch ops, however small, on a Gradio worker thread gave that long-lived thread an OpenMP

@@ -373,7 +373,9 @@ def calibration_figure(cal: dict | None) -> go.Figure:
                        for p in pts], hoverinfo="text"))
         fig.add_trace(go.Scatter(x=cal["qs"], y=cal["curves"][str(first)], mode="lines", name=f"{label}: fitted g(q)",
                                  legendgroup=label, line=dict(color=color, width=2)))
-    fig.update_xaxes(title_text="drafter confidence q", range=[0, 1.02])
+    # T > 0: the tree ranks the drafter's q mixed with the target's own noise (bastion/coupling.py)
+    fig.update_xaxes(title_text="coupled confidence ½ q + ½ softmax(log q / T + G)" if cal.get("coupled")
+                     else "drafter confidence q", range=[0, 1.02])
     fig.update_yaxes(title_text="P(accepted | parent accepted)", range=[0, 1.02])
     title = (f"Drafter calibration at T = {cal.get('temperature', 0):g}: below the diagonal the drafter is "
              "overconfident; trees are ranked by the fitted g(q)")

@@ -268,7 +268,8 @@ class Engine:
         gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         # sampled draws: each position's noise row hashed once per request, not once per round
         coupled = cfg.couple and dcache is not None and params.temperature > 0  # coupling.py
-        noise = GumbelRows(params.seed, target.device) if coupled or (params.temperature > 0 and self.kernels.reuses_noise) else None
+        reuse = params.temperature > 0 and self.kernels.reuses_noise
+        noise = GumbelRows(params.seed, target.device) if coupled or reuse else None
         return Request(cfg, root=prompt_ids[-1], before_root=prompt_ids[-2] if len(prompt_ids) > 1 else None,
                         committed=len(prompt_ids), dcache=dcache, vocab=vocab, in_vocab=in_vocab,
                         calib=self.calibrator(cfg), copies=self.copy_sources(cfg, prompt_ids), gate=gate,

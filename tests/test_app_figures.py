@@ -227,6 +227,8 @@ def test_calibration_figure_plots_observed_rates_and_fitted_curves():
     assert "T = 1" in fig.layout.title.text and "κ" not in fig.layout.title.text
     assert "κ = 0.70" in figures.calibration_figure({**data, "path_scale": 0.7}).layout.title.text
     assert figures.calibration_figure(None).layout.annotations  # nothing yet: a message, no crash
+    assert fig.layout.xaxis.title.text == "drafter confidence q"
+    assert "coupled" in figures.calibration_figure({**data, "coupled": True}).layout.xaxis.title.text
 
 
 def test_tokens_html_colours_by_origin_and_escapes():
