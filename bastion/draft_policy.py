@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import Callable
+
+from .expansion import Expansion, extend_with_copy
 from .tree import DraftTree
 
 
@@ -88,8 +91,12 @@ class DraftGate:
     """Bastion's size-zero option: skip the draft while drafting is predicted not to pay.
 
     The throughput rule sizes a tree once the draft is paid for. One size is left out: no draft at
-    all, a plain step at 1 / (T_o + C(1)). After each draft the gate compares that rate with the
-    predicted rate of the tree the rule chose, S_n / (T_d + T_o + C(n)); when the tree loses, the next
+    all. After each draft the gate compares the round's two options as the round loop would build
+    them, copy sources' branches included in both (:func:`plain_rate`): the merged tree's predicted
+    rate S_n / (T_d + T_o + C(n)) against a round without the draft, the root and the copied chains
+    priced at their "alone" rates, S_m / (T_o + C(m)) (with no copy source, 1 / (T_o + C(1))).
+    Judging the drafter's tree alone against a bare step (sessions 2–53) undervalued both sides
+    where the copies are strong. When the tree loses, the next
     ``skip`` rounds go without a draft (1, 2, 4, … up to ``max_skip`` while it keeps losing; back to 1
     as soon as a draft pays). Skipped rounds still feed the drafter's context, and every round is
     verified by the target, so the output is unchanged: only the speed on a weak drafter (or at a
@@ -117,4 +124,18 @@ class DraftGate:
 
     def reason(self) -> str:
         return (f"draft skipped: the last tree was predicted at {self.tree_rate:.1f} tok/s, "
-                f"below a plain step's {self.plain_rate:.1f} tok/s")
+                f"below a round without it at {self.plain_rate:.1f} tok/s")
+
+
+def plain_rate(root: int, proposals: list, copies, cost: Callable[[int], float], overhead: float,
+               max_nodes: int, max_depth: int) -> float:
+    """Predicted tokens/s of this round had it not drafted: the root plus each copy proposal
+    (``lookup.Sourced``) merged by the throughput rule at the rates ``copies`` (``lookup.CopySources``)
+    gives a source's tokens when no draft is there ("alone"), S_m / (T_o + C(m)) with ``overhead``
+    = T_o — the tree a skipped round verifies, built on a throwaway :class:`Expansion`."""
+    exp = Expansion(DraftTree.root_only(root))
+    for prop in proposals:
+        stats = copies.stats[prop.source]
+        extend_with_copy(exp, prop.proposal.tokens, stats.rates(prop.proposal, "reuse"), cost, overhead, max_nodes,
+                         max_depth, prop.source, stats.rates(prop.proposal, "alone"))
+    return exp.tree.expected_tokens / max(overhead + cost(len(exp.tree)), 1e-12)

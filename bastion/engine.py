@@ -18,7 +18,7 @@ from .coupling import DraftNoise, coupled_logq
 from .drafter import DFlashDrafter
 from .drafter_ops import request_vocab, widen_vocab
 from .datastore import NgramPrior
-from .draft_policy import DraftGate, depth_policy
+from .draft_policy import DraftGate, depth_policy, plain_rate
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
@@ -298,29 +298,29 @@ class Engine:
             return Draft((raw if used is None else used, ids.cpu().tolist()), None if used is None else raw)
 
     def _plan(self, req: Request, draft: Draft | None, prefix: int, times: StageTimes) -> Plan:
-        """The tree this round verifies and its inputs: best-first growth from the draft, the draft
-        gate's judgement of it, the copy sources' branches merged where they pay, then the mask,
+        """The tree this round verifies and its inputs: best-first growth from the draft, the copy
+        sources' branches merged where they pay, the draft gate's judgement of the result, then the mask,
         position ids and tokens of its rows (padded to the cheapest row count)."""
         cfg, limit, device = req.cfg, self.target.max_positions, self.target.device
         drafting, topk = draft is not None, draft.topk if draft is not None else None
         with self.timer(times, "build"):
             exp = self._build(cfg, req.root, topk, prefix, draft.raw if draft else None, req.before_root, req.calib)
             cost = self.cost(cfg, prefix)
-            if req.gate is not None and drafting:
-                c1, cn = cost(1), cost(len(exp.tree))
-                req.gate.judge(exp.tree.expected_tokens / max(exp.round_overhead + cn, 1e-12),
-                               1.0 / max(self.overhead(cfg, drafting=False) + c1, 1e-12))
-            elif req.gate is not None:
+            if req.gate is not None and not drafting:
                 exp.stop_reason = req.gate.reason()
             if drafting and len(topk[0]) < req.depth.full:
                 exp.stop_reason += f" · drafted {len(topk[0])} of {req.depth.full} depths"
             proposals = req.copies.propose(drafting) if req.copies is not None else []
-            for prop in proposals:  # copy sources, merged after the gate judged the drafter alone
+            for prop in proposals:  # copy sources' branches, kept where they pay
                 n_before = len(exp.tree)
                 prop.chain = extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost,
                                               self.overhead(cfg, drafting), cfg.max_nodes,
                                               limit - req.committed - 1, prop.source, prop.rates)
                 prop.reused = sum(1 for v in prop.chain if v < n_before)
+            if req.gate is not None and drafting:  # the round's two options, copy branches in both
+                req.gate.judge(exp.tree.expected_tokens / max(exp.round_overhead + cost(len(exp.tree)), 1e-12),
+                               plain_rate(req.root, proposals, req.copies, cost, self.overhead(cfg, drafting=False),
+                                          cfg.max_nodes, limit - req.committed - 1))
             tree = exp.tree
             # dummy rows (children of the root, never accepted, cropped at commit) up to the
             # cheapest row count: see RowPadding

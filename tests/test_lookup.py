@@ -147,3 +147,34 @@ def test_engine_with_lookup_is_lossless_and_accepts_copies(temperature):
         assert len(ref) / len(steps) > len(ref) / len(off)  # τ with lookup > τ without
     with pytest.raises(ValueError, match="lookup"):
         GenerationConfig(lookup_tokens=0).validate()
+
+
+def test_plain_rate_prices_a_round_without_draft_as_the_copied_chains_alone():
+    """The draft gate's other option: root + copied chains at their "alone" rates, sized by the
+    throughput rule — the tree a skipped round would verify — against a brute force over prefixes."""
+    from bastion.draft_policy import plain_rate
+    from bastion.lookup import CopySources
+
+    cost = lambda n: 1.0 + 0.1 * n  # noqa: E731
+    t_o = 0.5
+    st = LookupStats(prior_rate=0.3, prior_strength=2.0, decay=1.0)
+    for _ in range(40):  # alone: depths 1-2 always accepted, 3 half the time; branch: never
+        st.observe(3, [1, 2, 3], [True, True, True], accepted={0, 1, 2}, kinds=["alone"] * 3)
+        st.observe(3, [1, 2, 3], [True, True, True], accepted={0, 1, 2, 3}, kinds=["alone"] * 3)
+        st.observe(3, [1, 2, 3], [True, False, False], accepted={0}, kinds=["branch"] * 3)
+    prompt = [7, 8, 9, 4, 5, 6, 1, 7, 8, 9]  # suffix 7 8 9 seen before: lookup proposes 4 5 6 1
+    copies = CopySources(prompt, 4, {"lookup": st})
+    props = copies.propose(drafted=True)  # priced as branches: plain_rate must re-price them
+    assert [p.proposal.tokens for p in props] == [[4, 5, 6, 1]] and props[0].rates[0] < 0.1
+    alone = st.rates(props[0].proposal, "alone")
+    best, p, s = 1.0 / (t_o + cost(1)), 1.0, 1.0
+    for j, r in enumerate(alone, start=1):
+        p *= r
+        s += p
+        best = max(best, s / (t_o + cost(1 + j)))
+    got = plain_rate(0, props, copies, cost, t_o, 100, 100)
+    assert got == pytest.approx(best) and got > 1.5 / (t_o + cost(1))
+    assert plain_rate(0, [], copies, cost, t_o, 100, 100) == pytest.approx(1.0 / (t_o + cost(1)))
+    # a depth cap of 1 keeps one copied token at most
+    assert plain_rate(0, props, copies, cost, t_o, 100, 1) == pytest.approx(
+        max(1.0 / (t_o + cost(1)), (1 + alone[0]) / (t_o + cost(2))))
