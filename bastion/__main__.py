@@ -30,6 +30,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--max-nodes", type=int, default=128, help="cap on draft nodes for bastion")
     g.add_argument("--no-skip-draft", action="store_true",
                    help="bastion: draft every round, even when a plain step is predicted faster")
+    g.add_argument("--no-draft", action="store_true",
+                   help="bastion: never run the drafter; prompt lookup and the datastore alone (what the drafter adds)")
     g.add_argument("--no-lookup", action="store_true", help="bastion: no prompt-lookup branch in the tree")
     g.add_argument("--no-datastore", action="store_true", help="bastion: no datastore branch in the tree")
     g.add_argument("--no-condition", action="store_true",
@@ -69,8 +71,8 @@ def _checked_config(a) -> GenerationConfig:
 
     cfg = GenerationConfig(strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget, max_nodes=a.max_nodes,
-                           skip_draft=not a.no_skip_draft, lookup=not a.no_lookup, datastore=not a.no_datastore,
-                           condition=not a.no_condition,
+                           skip_draft=not a.no_skip_draft, draft=not a.no_draft, lookup=not a.no_lookup,
+                           datastore=not a.no_datastore, condition=not a.no_condition,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
                            adaptive_depth=not a.full_depth, node_cost=a.node_cost, couple=not a.no_couple)
     try:

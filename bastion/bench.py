@@ -76,6 +76,7 @@ class Strategy:
     adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
     node_cost: bool = False  # 'bastion:nodecost' prices the host's work per tree node (hostcost.py)
     couple: bool = True      # noise-coupled drafting at T > 0 (coupling.py); 'NAME:nocouple' leaves it out
+    draft: bool = True       # 'bastion:copies' never drafts: prompt lookup and the datastore alone
     drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
@@ -83,7 +84,16 @@ class Strategy:
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
                                 condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth,
-                                node_cost=self.node_cost, couple=self.couple)
+                                node_cost=self.node_cost, couple=self.couple, draft=self.draft)
+
+
+# bastion with one part switched off or changed (what each buys, measured in the same run)
+BASTION_VARIANTS = {"bastion:always": dict(skip_draft=False), "bastion:raw": dict(calibrate=False),
+                    "bastion:nolookup": dict(lookup=False), "bastion:nods": dict(datastore=False),
+                    "bastion:nocond": dict(condition=False),
+                    "bastion:drafter": dict(lookup=False, datastore=False, condition=False),
+                    "bastion:copies": dict(draft=False), "bastion:fulldepth": dict(adaptive_depth=False),
+                    "bastion:nodecost": dict(node_cost=True)}
 
 
 def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
@@ -114,28 +124,14 @@ def _strategy(name: str) -> Strategy:
         return Strategy(name, name)
     if name in HF_BASELINES:
         return Strategy(name, "hf")
-    if name == "bastion:always":
-        return Strategy(name, "bastion", skip_draft=False)
-    if name == "bastion:raw":
-        return Strategy(name, "bastion", calibrate=False)
-    if name == "bastion:nolookup":
-        return Strategy(name, "bastion", lookup=False)
-    if name == "bastion:nods":
-        return Strategy(name, "bastion", datastore=False)
-    if name == "bastion:nocond":
-        return Strategy(name, "bastion", condition=False)
-    if name == "bastion:drafter":
-        return Strategy(name, "bastion", lookup=False, datastore=False, condition=False)
-    if name == "bastion:fulldepth":
-        return Strategy(name, "bastion", adaptive_depth=False)
-    if name == "bastion:nodecost":
-        return Strategy(name, "bastion", node_cost=True)
+    if name in BASTION_VARIANTS:
+        return Strategy(name, "bastion", **BASTION_VARIANTS[name])
     kind, _, budget = name.partition(":")
     if kind == "fixed":
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, bastion:always, bastion:raw, bastion:nolookup, bastion:nods, bastion:nocond, bastion:drafter, bastion:fulldepth, bastion:nodecost, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad or :nocouple, and then in @b)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(BASTION_VARIANTS)}, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad or :nocouple, and then in @b)")
 
 
 @dataclass(frozen=True)
@@ -251,7 +247,8 @@ def add_parser(sub) -> None:
     b.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated: ar, chain, fixed:N, bastion, bastion:always (draft gate off), "
                    "bastion:raw (uncalibrated surrogate), bastion:nolookup (no prompt-lookup branch), bastion:nods (no "
                    "datastore branch), bastion:nocond (no n-gram re-weighting of the tree's children), "
-                   "bastion:drafter (the drafter's marginals alone), bastion:nodecost (the host's build + commit "
+                   "bastion:drafter (the drafter's marginals alone), bastion:copies (no draft: prompt lookup and the datastore "
+                   "alone), bastion:nodecost (the host's build + commit "
                    "time per tree node priced in the throughput rule); "
                    "a drafting name ending in :nopad verifies trees without row padding, one ending in @b "
                    "decodes with --drafter-b")

@@ -27,6 +27,7 @@ class GenerationConfig:
     min_nodes: int = 0
     lookahead: int = 8
     skip_draft: bool = True  # bastion: the n = 0 option, see DraftGate
+    draft: bool = True       # bastion: False never drafts, the copy sources alone (what the drafter adds, measured apart)
     calibrate: bool = True   # fixed/bastion: rank candidates by calibrated acceptance g(q), see calibration.py
     lookup: bool = True      # bastion: add a prompt-lookup branch when it pays, see lookup.py
     lookup_ngram: int = 3    # longest context suffix matched
@@ -47,6 +48,8 @@ class GenerationConfig:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if not self.draft and self.strategy != "bastion":
+            raise ValueError(f"draft=False (the copy sources alone) needs strategy 'bastion', got {self.strategy!r}")
         if self.lookup_ngram < 1 or self.lookup_tokens < 1:
             raise ValueError(f"lookup_ngram and lookup_tokens must be >= 1, got {self.lookup_ngram}, {self.lookup_tokens}")
         self.sampling.validate()

@@ -231,7 +231,7 @@ class Engine:
         while True:
             times = StageTimes()
             prefix = self.target.cache_len  # = committed − 1: every committed token but the root
-            drafting = cfg.strategy != "ar" and (req.gate is None or req.gate.draft_now())
+            drafting = req.dcache is not None and (req.gate is None or req.gate.draft_now())
             draft = self._draft(req, times) if drafting else None
             plan = self._plan(req, draft, prefix, times)
             with self.timer(times, "verify"):
@@ -261,11 +261,11 @@ class Engine:
         t_prefill = time.perf_counter()
         prefill = target.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long, device=target.device))
         # AR never drafts: it must not pay for keeping the drafter's context cache (a fair baseline)
-        dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" else None
+        dcache = drafter.new_cache() if drafter is not None and cfg.strategy != "ar" and cfg.draft else None
         if dcache is not None and prefill.features is not None:
             drafter.extend_cache(dcache, prefill.features)
         vocab, in_vocab = request_vocab(getattr(self.drafter, "draft_vocab", None), prompt_ids)
-        gate = DraftGate() if cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
+        gate = DraftGate() if dcache is not None and cfg.strategy == "bastion" and cfg.skip_draft and cfg.min_nodes == 0 else None
         # sampled draws: each position's noise row hashed once per request, not once per round
         coupled = cfg.couple and dcache is not None and params.temperature > 0  # coupling.py
         reuse = params.temperature > 0 and self.kernels.reuses_noise

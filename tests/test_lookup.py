@@ -178,3 +178,29 @@ def test_plain_rate_prices_a_round_without_draft_as_the_copied_chains_alone():
     # a depth cap of 1 keeps one copied token at most
     assert plain_rate(0, props, copies, cost, t_o, 100, 1) == pytest.approx(
         max(1.0 / (t_o + cost(1)), (1 + alone[0]) / (t_o + cost(2))))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_copies_alone_never_draft_and_stay_lossless(temperature):
+    """``draft=False`` (the benchmark's ``bastion:copies``): no drafter forward, no drafter context,
+    every tree the root plus copied chains — and still AR's tokens."""
+    from bastion.bench import parse_strategies
+
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = _looping_prompt(target)
+    drafter = tiny_drafter(target)
+    calls = []
+    real = drafter.draft
+    drafter.draft = lambda *a, **k: calls.append(1) or real(*a, **k)
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    cfg = dict(max_new_tokens=60, temperature=temperature, seed=5)
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", **cfg)).token_ids
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", draft=False, **cfg)))
+    assert [t for s in steps for t in s.tokens] == ref
+    assert not calls and not any(s.draft_ids for s in steps)
+    assert all(r < 0 for s in steps for r in s.tree.ranks[1:])  # copy nodes only (rank −1 / −2)
+    if temperature == 0.0:  # the loop's copies are accepted
+        assert len(steps) < len(ref)
+    assert not {s.name: s for s in parse_strategies("bastion:copies")}["bastion:copies"].draft
+    with pytest.raises(ValueError, match="copy sources alone"):
+        GenerationConfig(strategy="chain", draft=False).validate()
