@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
 from typing import Callable
 
 from .expansion import Expansion, extend_with_copy
