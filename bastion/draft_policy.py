@@ -129,12 +129,12 @@ class DraftGate:
 def plain_rate(root: int, proposals: list, copies, cost: Callable[[int], float], overhead: float,
                max_nodes: int, max_depth: int) -> float:
     """Predicted tokens/s of this round had it not drafted: the root plus each copy proposal
-    (``lookup.Sourced``) merged by the throughput rule at the rates ``copies`` (``lookup.CopySources``)
-    gives a source's tokens when no draft is there ("alone"), S_m / (T_o + C(m)) with ``overhead``
-    = T_o — the tree a skipped round verifies, built on a throwaway :class:`Expansion`."""
+    (``lookup.Sourced``) merged as the round loop merges it, its new nodes priced at the rates
+    ``copies`` (``lookup.CopySources``) gives a source's tokens when no draft is there ("alone"),
+    S_m / (T_o + C(m)) with ``overhead`` = T_o — the tree a skipped round verifies, built on a
+    throwaway :class:`Expansion`."""
     exp = Expansion(DraftTree.root_only(root))
     for prop in proposals:
-        stats = copies.stats[prop.source]
-        extend_with_copy(exp, prop.proposal.tokens, stats.rates(prop.proposal, "reuse"), cost, overhead, max_nodes,
-                         max_depth, prop.source, stats.rates(prop.proposal, "alone"))
+        extend_with_copy(exp, prop.proposal.tokens, prop.reuse_rates, cost, overhead, max_nodes, max_depth,
+                         prop.source, copies.stats[prop.source].rates(prop.proposal, "alone"))
     return exp.tree.expected_tokens / max(overhead + cost(len(exp.tree)), 1e-12)
