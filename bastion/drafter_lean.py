@@ -14,8 +14,9 @@ residual, RMSNorm, the SwiGLU MLP and the residual — with three differences in
 * the context keys/values are written into buffers with spare rows (:class:`DrafterCache` ``kbuf`` /
   ``vbuf``) instead of concatenated: the module path copies each layer's whole context every draft.
 
-Where the products allow (not AVX512-BF16's bf16 pairs), :func:`lean_layers` hands all layers to one
-native call instead (``kernels/cpu_decoder.py``, ``cpu_layer.c``), bit for bit this loop.
+Where the products allow (float32, widened bf16 or AVX512-BF16's bf16 pairs), :func:`lean_layers`
+hands all layers to one native call instead (``kernels/cpu_decoder.py``, ``cpu_layer.c``), bit for bit
+this loop.
 
 Measured on the 2-core Zen 3 (session 32, two threads): a draft of the embedded drafter in a Bastion
 round 6.3 → 5.0 ms with this loop (its two layers had taken 3.9 ms through the modules); alone, after
@@ -65,8 +66,8 @@ def lean_plan(drafter) -> list[tuple] | None:
 
 def _fused(drafter, plan: list[tuple]) -> NativeDecoder | None:
     """The drafter's layers as one native call (kernels/cpu_decoder.py) when ``drafter.fused`` is on
-    and it computes what :func:`lean_layers`' loop does (widened-bf16 or float32 products; not the
-    AVX512-BF16 pairs, whose inputs are rounded), made once per plan; else None."""
+    and it computes what :func:`lean_layers`' loop does (float32, widened-bf16 or AVX512-BF16 pair
+    products), made once per plan; else None."""
     if not getattr(drafter, "fused", True):
         return None
     got = drafter.__dict__.get("_fused")

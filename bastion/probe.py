@@ -196,9 +196,10 @@ def tune_drafter_products(drafter, target: Target, context: int = PROBE_CONTEXT,
     mode a caller set — ``drafter.tune_products`` off —, not a CPU float32 drafter, no native kernel).
 
     Which is faster depends on the host: on the EPYCs bf16 drafts won (session 14); on the 2-core Xeon
-    with AVX512-BF16 the bf16 pairs run layer by layer while float32 runs all layers in one native
-    call (drafter_lean), and a draft took 2.27 ms in bf16 against 2.06 in float32 (session 46, one
-    bench run: Bastion 1.38× vs 1.42× AR). Both are proposals only — verification decides what is
+    with AVX512-BF16 and AMX float32 won while only it ran all layers in one native call (session 46:
+    2.06 against 2.27 ms a draft). Since session 55 the bf16 pairs run in that one call too: on the
+    2-core Xeon without AMX, drafts inside a Bastion run went 5.33 → 4.59 ms (medians, all 30 eval
+    prompts), the probe now choosing bf16. Both are proposals only — verification decides what is
     kept — so this moves speed and, within bf16 rounding, which tokens are drafted; never the output.
 
     Timing: drafts of the whole block after ``context`` random context features, each with ``fresh``

@@ -18,8 +18,10 @@
  *
  * Each add and product of two elements rounds once, as torch's elementwise ops do (no FMA can form:
  * no product feeds an add inside an expression here). Products read float32 or exact 4 / 8-bit
- * panels (a target: kinds 0 / 1 / 2) or bf16 weights widened in registers (a drafter: kind 3), all
- * cpu_gemm.c's; bias pointers may be NULL.
+ * panels (a target: kinds 0 / 1 / 2), bf16 weights widened in registers (a drafter: kind 3) or, where
+ * the CPU has AVX512-BF16, bf16 pairs whose inputs are rounded to bf16 first, to nearest even as
+ * torch's `.to(torch.bfloat16)` rounds them (a drafter: kind 4), all cpu_gemm.c's; bias pointers may
+ * be NULL.
  *
  * Compiled into the same library as cpu_gemm.c (kernels/cpu_native.py).
  */
@@ -42,22 +44,49 @@ void bastion_rope_f32(const float *x, int64_t n, int64_t H, int64_t d, const flo
 void bastion_silu_f32(const float *x, int64_t R, int64_t n, float *y);
 void bastion_gemm_h16(const float *x, int64_t R, const uint16_t *wp, int64_t N, int64_t K, const float *b, float *y,
                       int nthreads);
+void bastion_gemm_bf16(const uint32_t *x, int64_t R, const uint16_t *wp, int64_t N, int64_t K2, const float *b,
+                       float *y, int nthreads);
 
-static void product(int kind, const float *x, int64_t R, const void *wp, int64_t N, int64_t K, const float *b,
-                    float *y, int nthreads) {
+/* x [R, K] rounded to bf16, to nearest even (ties to the even mantissa; any NaN becomes 0x7fc0, as
+ * c10::BFloat16's rounding makes it): torch's float32 -> bfloat16 conversion, so kind 4 reads what
+ * Product's cast gives the pair kernel. */
+static void round_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            out[i] = 0x7fc0u;
+        else
+            out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* y [R, N] = x [R, K] W^T + b by the panels' kind; -1 when kind 4 had no memory for its bf16 rows. */
+static int product(int kind, const float *x, int64_t R, const void *wp, int64_t N, int64_t K, const float *b,
+                   float *y, int nthreads) {
     switch (kind) {
     case 1: bastion_gemm_q4(x, R, (const uint8_t *)wp, N, K, b, y, nthreads); break;
     case 2: bastion_gemm_q8(x, R, (const int8_t *)wp, N, K, b, y, nthreads); break;
     case 3: bastion_gemm_h16(x, R, (const uint16_t *)wp, N, K, b, y, nthreads); break;
+    case 4: {
+        uint16_t *xb = malloc((size_t)(R * K) * sizeof(uint16_t));
+        if (!xb)
+            return -1;
+        round_bf16(x, R * K, xb);
+        bastion_gemm_bf16((const uint32_t *)xb, R, (const uint16_t *)wp, N, K / 2, b, y, nthreads);
+        free(xb);
+        break;
+    }
     default: bastion_gemm_f32(x, R, (const float *)wp, N, K, b, y, nthreads); break;
     }
+    return 0;
 }
 
 /* dims: n (query rows), h (hidden), H (query heads), G (KV heads), d (head dim), I (MLP width), past
  * (cache rows before this call), mask row stride, m (context rows before the queries' own: 0 for a
  * target; a drafter's newly committed context, see below).
  * Per layer l (arrays of 7 per layer in the order q, k, v, o, gate, up, down): kinds (0 float32,
- * 1 / 2 exact 4 / 8-bit, 3 bf16 weights widened: cpu_gemm.c), panels, bias (NULL: none);
+ * 1 / 2 exact 4 / 8-bit, 3 bf16 weights widened, 4 bf16 pairs: cpu_gemm.c), panels, bias (NULL: none);
  * norms[4 l ..]: ln1, ln2, q_norm, k_norm (the last two NULL for Llama), eps[4 l ..] their epsilons;
  * kbuf / vbuf: the layer's cache buffers [G, cap[l], d]; capture[l]: where to copy x after the layer
  * (NULL: nowhere). x [n, h] is updated in place; cos / sin [m + n, d]; mask [n, past + m + n] additive
@@ -98,8 +127,10 @@ int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int
             memcpy(kin + m * h, hb, (size_t)(n * h) * sizeof(float));
             xk = kin;
         }
-        product(kd[0], hb, n, w[0], H * d, h, b[0], q, nthreads);
-        product(kd[1], xk, nk, w[1], G * d, h, b[1], k, nthreads);
+        if (product(kd[0], hb, n, w[0], H * d, h, b[0], q, nthreads))
+            goto fail;
+        if (product(kd[1], xk, nk, w[1], G * d, h, b[1], k, nthreads))
+            goto fail;
         if (nm[2]) { /* Qwen3: RMSNorm over each head before the rotary embedding */
             bastion_rms_norm_f32(q, n * H, d, nm[2], ep[2], s);
             memcpy(q, s, (size_t)(n * H * d) * sizeof(float));
@@ -113,25 +144,28 @@ int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int
         for (int64_t i = 0; i < nk; i++)
             for (int64_t j = 0; j < G; j++)
                 memcpy(kb + j * kg + (past + i) * d, s + (i * G + j) * d, (size_t)d * sizeof(float));
-        product(kd[2], xk, nk, w[2], G * d, h, b[2], v, nthreads);
+        if (product(kd[2], xk, nk, w[2], G * d, h, b[2], v, nthreads))
+            goto fail;
         for (int64_t i = 0; i < nk; i++)
             for (int64_t j = 0; j < G; j++)
                 memcpy(vb + j * kg + (past + i) * d, v + (i * G + j) * d, (size_t)d * sizeof(float));
         /* queries [n, H, d] as [H, n, d] strides: head stride d, row stride H d */
-        if (bastion_attn_f32(qr, d, H * d, kb, kg, d, vb, kg, d, mask, mn, q, H, G, n, L, d, scale, nthreads)) {
-            free(scratch);
-            return -1;
-        }
-        product(kd[3], q, n, w[3], h, H * d, b[3], t, nthreads);
+        if (bastion_attn_f32(qr, d, H * d, kb, kg, d, vb, kg, d, mask, mn, q, H, G, n, L, d, scale, nthreads))
+            goto fail;
+        if (product(kd[3], q, n, w[3], h, H * d, b[3], t, nthreads))
+            goto fail;
         for (int64_t i = 0; i < n * h; i++)
             x[i] = x[i] + t[i];
         bastion_rms_norm_f32(x, n, h, nm[1], ep[1], hb);
-        product(kd[4], hb, n, w[4], I, h, b[4], g, nthreads);
-        product(kd[5], hb, n, w[5], I, h, b[5], u, nthreads);
+        if (product(kd[4], hb, n, w[4], I, h, b[4], g, nthreads))
+            goto fail;
+        if (product(kd[5], hb, n, w[5], I, h, b[5], u, nthreads))
+            goto fail;
         bastion_silu_f32(g, n, I, s);
         for (int64_t i = 0; i < n * I; i++)
             s[i] = s[i] * u[i];
-        product(kd[6], s, n, w[6], h, I, b[6], t, nthreads);
+        if (product(kd[6], s, n, w[6], h, I, b[6], t, nthreads))
+            goto fail;
         for (int64_t i = 0; i < n * h; i++)
             x[i] = x[i] + t[i];
         if (capture[l])
@@ -139,4 +173,7 @@ int bastion_decoder_f32(float *x, int64_t layers, const int64_t *dims, const int
     }
     free(scratch);
     return 0;
+fail:
+    free(scratch);
+    return -1;
 }
