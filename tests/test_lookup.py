@@ -180,6 +180,45 @@ def test_plain_rate_prices_a_round_without_draft_as_the_copied_chains_alone():
         max(1.0 / (t_o + cost(1)), (1 + alone[0]) / (t_o + cost(2))))
 
 
+def test_engine_gate_weighs_the_merged_tree_against_the_copied_chains_alone(monkeypatch):
+    """The engine hands the draft gate the round's two real options: the tree it verifies (copy
+    branches included) and :func:`plain_rate` of the same proposals — not the drafter's tree alone
+    against a bare step, the comparison of sessions 2–53 (which this test would fail)."""
+    import bastion.engine as engine_module
+    from bastion.draft_policy import DraftGate
+
+    target = tiny_target("llama", dtype=torch.float64)
+    prompt = _looping_prompt(target)
+    engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
+    lat = engine.latency
+    lat.draft_s, lat.overhead_s = 2e-4, 1e-4
+    lat.observe = lat.observe_overheads = lambda *a, **k: None
+    lat.predict = lambda s, c: 1e-3 * (1 + 0.1 * s)
+    cfg = GenerationConfig(strategy="bastion", max_new_tokens=60)
+    judged, priced = [], []
+    real_judge, real_plain = DraftGate.judge, engine_module.plain_rate
+    monkeypatch.setattr(DraftGate, "judge", lambda g, t, p: judged.append((t, p, engine.overhead(cfg)))
+                        or real_judge(g, t, p))
+    monkeypatch.setattr(engine_module, "plain_rate",
+                        lambda *a: priced.append((a[1], a[3], a[4], real_plain(*a))) or priced[-1][3])
+    ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=60)).token_ids
+    steps = list(engine.generate(prompt, cfg))
+    assert [t for s in steps for t in s.tokens] == ref
+    drafted = [s for s in steps if s.draft_ids]
+    assert len(judged) == len(priced) == len(drafted) > 0
+    copied = 0
+    for s, (tree_rate, other, t_round), (proposals, cost, t_plain, price) in zip(drafted, judged, priced):
+        assert other == price and t_plain < t_round  # the round without a draft saves T_d
+        # the tree judged is the tree verified, copied branches (rank < 0) and all
+        assert tree_rate == pytest.approx(s.tree.expected_tokens / (t_round + cost(len(s.tree))))
+        bare = 1.0 / (t_plain + cost(1))  # the old comparison's other side: a bare step
+        assert other >= bare * (1 - 1e-12)
+        if other > 1.01 * bare:  # a copied chain that pays alone makes the round without a draft worth more
+            assert proposals
+            copied += 1
+    assert copied >= 3, copied
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_copies_alone_never_draft_and_stay_lossless(temperature):
     """``draft=False`` (the benchmark's ``bastion:copies``): no drafter forward, no drafter context,
