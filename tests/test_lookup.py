@@ -8,7 +8,7 @@ import torch
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
 from bastion.lookup import LookupStats, NgramIndex, Proposal, Sourced
-from tiny import tiny_drafter, tiny_target
+from tiny import frozen_latency, tiny_drafter, tiny_target
 
 
 def brute_force(tokens: list[int], max_ngram: int, m: int):
@@ -190,10 +190,7 @@ def test_engine_gate_weighs_the_merged_tree_against_the_copied_chains_alone(monk
     target = tiny_target("llama", dtype=torch.float64)
     prompt = _looping_prompt(target)
     engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
-    lat = engine.latency
-    lat.draft_s, lat.overhead_s = 2e-4, 1e-4
-    lat.observe = lat.observe_overheads = lambda *a, **k: None
-    lat.predict = lambda s, c: 1e-3 * (1 + 0.1 * s)
+    frozen_latency(engine, draft_s=2e-4)
     cfg = GenerationConfig(strategy="bastion", max_new_tokens=60)
     judged, priced = [], []
     real_judge, real_plain = DraftGate.judge, engine_module.plain_rate

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bastion.engine import Engine, GenerationConfig
-from tiny import OracleDrafter, hf_greedy, tiny_drafter, tiny_target
+from tiny import OracleDrafter, frozen_latency, hf_greedy, tiny_drafter, tiny_target
 
 STRATS = [("chain", {}), ("fixed", {"budget": 1}), ("fixed", {"budget": 7}), ("fixed", {"budget": 40}),
           ("bastion", {}), ("bastion", {"max_nodes": 3}), ("bastion", {"min_nodes": 20})]
@@ -101,19 +101,11 @@ def test_decode_clock_excludes_the_consumers_time():
     assert all(b.elapsed_s >= a.elapsed_s for a, b in zip(steps, steps[1:]))
 
 
-def _frozen_latency(engine, draft_s, overhead_s=1e-4):
-    """A latency model that no longer learns: C(n) = 1 ms + 0.1 ms per node."""
-    lat = engine.latency
-    lat.draft_s, lat.overhead_s = draft_s, overhead_s
-    lat.observe = lat.observe_overheads = lambda *a, **k: None
-    lat.predict = lambda s, c: 1e-3 * (1 + 0.1 * s)
-
-
 def test_draft_gate_skips_a_useless_drafter_with_backoff_and_stays_lossless():
     from bastion.draft_policy import DraftGate
     target = tiny_target("llama", dtype=torch.float64)
     engine = Engine(target, tiny_drafter(target), kernels="torch", stop_ids=set())
-    _frozen_latency(engine, draft_s=5e-3)  # a draft costs five plain steps: a random drafter cannot pay
+    frozen_latency(engine, draft_s=5e-3)  # a draft costs five plain steps: a random drafter cannot pay
     prompt = [3, 5, 7]
     ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=40)).token_ids
     steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=40)))
@@ -143,7 +135,7 @@ def test_draft_gate_never_skips_a_drafter_that_pays():
     engine = Engine(target, OracleDrafter(tiny_drafter(target), full, target.vocab_size, hit=0.95, spread=1,
                                                    sharpness=20.0),
                     kernels="torch", stop_ids=set())
-    _frozen_latency(engine, draft_s=2e-4)
+    frozen_latency(engine, draft_s=2e-4)
     steps = list(engine.generate(prompt, GenerationConfig(strategy="bastion", max_new_tokens=30)))
     assert all(s.draft_ids for s in steps)
     assert [t for s in steps for t in s.tokens] == full[len(prompt):]

@@ -39,6 +39,14 @@ def tiny_drafter(target: Target, block_size: int = 6, layers: int = 1, seed: int
     return DFlashDrafter(cfg).to(dtype or target.dtype).eval()
 
 
+def frozen_latency(engine, draft_s: float, overhead_s: float = 1e-4) -> None:
+    """A latency model that no longer learns: T_d = ``draft_s``, T_o = ``overhead_s``, C(n) = 1 ms + 0.1 ms per node."""
+    lat = engine.latency
+    lat.draft_s, lat.overhead_s = draft_s, overhead_s
+    lat.observe = lat.observe_overheads = lambda *a, **k: None
+    lat.predict = lambda s, c: 1e-3 * (1 + 0.1 * s)
+
+
 def path_logits_in_tree_and_alone(target: Target, ctx: torch.Tensor, path: list[int], siblings: list[int]
                                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logits inside a tree, logits decoded alone) for each token of ``path`` after the context ``ctx``.
