@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessorList
 
+from . import batchgen
 from .corpus import (
     CORPORA,
     REQUEST_CATEGORIES,
@@ -237,10 +238,14 @@ def _shard(target: Target, model, enc: list[list[int]], pad: int, max_new_tokens
     ids, att = ids.to(target.device), att.to(target.device)
     width = ids.shape[1]
     stream = features and not check
+    stop_ids = {target.tokenizer.eos_token_id, pad} - {None}
     # the cache appends in place instead of copying itself every step (the replies are the same)
     args = dict(input_ids=ids, attention_mask=att, do_sample=False, pad_token_id=pad,
                 past_key_values=growing_cache(model.config))
-    if stream:
+    if stream and batchgen.qualifies(model):  # the lean loop: the same replies at ~half the time
+        got = batchgen.greedy_batch(model, ids, att, max_new_tokens, layer_ids, stop_ids)
+        gen, feats = torch.cat((ids.cpu(), got.tokens), dim=1), got.feats
+    elif stream:
         with target.feature_stream(layer_ids) as streamed:
             gen = model.generate(**args, max_new_tokens=max_new_tokens + 1, eos_token_id=None)
             feats = streamed()
@@ -248,7 +253,7 @@ def _shard(target: Target, model, enc: list[list[int]], pad: int, max_new_tokens
         gen = model.generate(**args, max_new_tokens=max_new_tokens)
     seqs = []
     for e, g in zip(enc, gen[:, width:width + max_new_tokens].tolist()):
-        stop = next((i for i, t in enumerate(g) if t in (target.tokenizer.eos_token_id, pad)), len(g) - 1)
+        stop = next((i for i, t in enumerate(g) if t in stop_ids), len(g) - 1)
         seqs.append(e + g[:stop + 1])
     if not stream:
         return _records(target, seqs, [len(e) for e in enc], pad, features, check)
