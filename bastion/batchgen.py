@@ -24,6 +24,7 @@ Families: Llama and Qwen3 decoders (SiLU MLP, full attention), any device and dt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -143,11 +144,14 @@ def _prompt_mask(valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 @torch.inference_mode()
 def greedy_batch(model, ids: torch.Tensor, valid: torch.Tensor, max_new_tokens: int, layer_ids: list[int],
-                 stop_ids: set[int] | frozenset[int] = frozenset(), features: bool = True) -> BatchReplies:
+                 stop_ids: set[int] | frozenset[int] = frozenset(), features: bool = True,
+                 choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> BatchReplies:
     """Each row's greedy continuation of ids [B, W] (left-padded; ``valid`` [B, W] marks real tokens),
     at most ``max_new_tokens`` tokens, with the outputs of decoder layers ``layer_ids`` at every
     position read (``features``). A row is finished once it has read a token of ``stop_ids``; the loop
     ends when every row is finished or wrote ``max_new_tokens`` tokens and read them all.
+    ``choose``: the next-token rule, logits [b, V] → ids [b] (default: greedy, ``argmax``; the request
+    list passes a nucleus sampler, ``traindata.make_requests``).
 
     Per new token j (0-based) the row's position is its prompt length + j, as ``generate`` numbers
     left-padded rows; the padding's keys are masked (additive ``finfo.min``, so a row of padding
@@ -183,11 +187,11 @@ def greedy_batch(model, ids: torch.Tensor, valid: torch.Tensor, max_new_tokens: 
         return model.get_output_embeddings()(rms_norm(dec.norm, x[:, -1]))
 
     mask, pos = _prompt_mask(valid, dtype)
+    choose = choose or (lambda logits: logits.argmax(-1))
     # the prompts a few rows at a time: the same products, but a wide batch's [B·W, m] intermediates
     # overflow the caches (128 prompts of ~50 tokens: 96 ms a prompt at once against 58 in rows of 32)
-    nxt = torch.cat([forward(dec.embed_tokens(ids[r:r + PREFILL_ROWS].to(dev)), 0, pos[r:r + PREFILL_ROWS],
-                             mask[r:r + PREFILL_ROWS], slice(r, r + PREFILL_ROWS)).argmax(-1)
-                     for r in range(0, B, PREFILL_ROWS)])
+    parts = [slice(r, r + PREFILL_ROWS) for r in range(0, B, PREFILL_ROWS)]
+    nxt = choose(torch.cat([forward(dec.embed_tokens(ids[c].to(dev)), 0, pos[c], mask[c], c) for c in parts]))
     for j in range(max_new_tokens):
         tokens[rows.cpu(), j] = nxt.cpu()
         live = ~done
@@ -202,5 +206,5 @@ def greedy_batch(model, ids: torch.Tensor, valid: torch.Tensor, max_new_tokens: 
         at = W + j
         mask = torch.zeros(len(rows), 1, 1, at + 1, dtype=dtype, device=dev).masked_fill(
             ~key_ok[:, None, None, :at + 1], neg)
-        nxt = forward(dec.embed_tokens(nxt[:, None]), at, (lens + j)[:, None], mask).argmax(-1)
+        nxt = choose(forward(dec.embed_tokens(nxt[:, None]), at, (lens + j)[:, None], mask))
     return BatchReplies(tokens, feats)

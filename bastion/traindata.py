@@ -117,14 +117,11 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
         enc = [tok(request_prompt(rng, c), add_special_tokens=False)["input_ids"] for c in cats]
         ids, att = _left_pad(enc, pad)
         ids, att = ids.to(target.device), att.to(target.device)
-        width = ids.shape[1]
-        # HF samples from torch's global RNG (the device's, on a GPU): leave the caller's alone
+        # the sampler draws from torch's global RNG (the device's, on a GPU): leave the caller's alone
         with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
             torch.manual_seed(seed * 100_003 + r)
-            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                                 logits_processor=LogitsProcessorList([NucleusSampler(0.95)]), pad_token_id=pad,
-                                 past_key_values=growing_cache(model.config))[:, width:]
-        for g in gen.tolist():
+            gen = _sample_lists(model, ids, att, max_new_tokens, pad)
+        for g in gen:
             for q in parse_requests(tok.decode(g, skip_special_tokens=True)):
                 if q not in seen and q not in exclude and len(out) < n:
                     seen.add(q)
@@ -136,6 +133,22 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
     print(file=sys.stderr)
     raise RuntimeError(f"the model wrote only {len(out)} usable requests of {n} in {rounds} rounds; "
                        "use another corpus (--corpus base|broad) or a model that follows a list")
+
+
+def _sample_lists(model, ids: torch.Tensor, att: torch.Tensor, max_new_tokens: int, pad: int) -> list[list[int]]:
+    """Each left-padded row's sampled continuation (:class:`NucleusSampler`, top-p 0.95), up to its
+    first end token: through the lean batched loop where it runs the model (``batchgen``), else ``generate``."""
+    sampler = NucleusSampler(0.95)
+    if batchgen.qualifies(model):
+        ends = model.generation_config.eos_token_id
+        stop_ids = {ends} if isinstance(ends, int) else set(ends or ())  # generate's: pad is not one
+        got = batchgen.greedy_batch(model, ids, att, max_new_tokens, [], stop_ids, features=False,
+                                    choose=lambda logits: sampler(None, logits).argmax(-1)).tokens.tolist()
+        return [g[:next((i + 1 for i, t in enumerate(g) if t in stop_ids), len(g))] for g in got]
+    gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([sampler]), pad_token_id=pad,
+                         past_key_values=growing_cache(model.config))
+    return gen[:, ids.shape[1]:].tolist()
 
 
 def _requests_file(target: Target, out: Path, n: int, seed: int, batch: int = 64, model=None) -> list[str]:

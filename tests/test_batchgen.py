@@ -62,3 +62,37 @@ def test_the_lean_loop_without_features_and_on_models_it_does_not_run():
     assert not batchgen.qualifies(target.model)
     with pytest.raises(ValueError, match="SiLU"):
         batchgen.greedy_batch(target.model, ids, valid, 6, [0, 1])
+
+
+@pytest.mark.parametrize("ends", [None, "early"])
+def test_the_request_lists_sample_through_the_lean_loop_as_through_generate(ends, monkeypatch):
+    """``_sample_lists`` (the ``self`` corpus's request lists): with rows kept to the end (no row
+    dropped, so the sampler draws over the same rows in the same order) the lean loop and
+    ``generate`` draw the same tokens from the same seed until a row ends (then ``generate`` feeds
+    that row padding, whose nucleus changes what later draws consume); each row is cut after its
+    first end token."""
+    from bastion.traindata import _sample_lists
+
+    target = tiny_target("llama", vocab=64, dtype=torch.float64, layers=2)
+    ids = torch.tensor([[0, 0, 5, 9], [3, 4, 8, 1], [0, 7, 7, 2]])
+    att = (ids != 0).long()
+    if ends == "early":  # an end token the first row draws early
+        torch.manual_seed(3)
+        first = _sample_lists(target.model, ids, att, 10, pad=0)[0]
+        target.model.generation_config.eos_token_id = first[2]
+    monkeypatch.setattr(batchgen, "SHRINK_AT", 0.0)
+    got = {}
+    for how in ("lean", "generate"):
+        if how == "generate":
+            monkeypatch.setattr(batchgen, "qualifies", lambda model: False)
+        torch.manual_seed(3)
+        got[how] = _sample_lists(target.model, ids, att, 10, pad=0)
+    same = min(map(len, got["lean"]))  # the steps until the first row ended
+    assert [x[:same] for x in got["lean"]] == [x[:same] for x in got["generate"]]
+    assert all(len(x) == 10 for x in got["generate"])  # generate pads finished rows
+    if ends == "early":
+        end = target.model.generation_config.eos_token_id
+        assert len(got["lean"][0]) <= 3 and got["lean"][0][-1] == end and same < 10
+        assert all(end not in x[:-1] for x in got["lean"])
+    else:
+        assert all(len(x) == 10 for x in got["lean"])
