@@ -126,8 +126,8 @@ def _fit_command(sub) -> argparse.ArgumentParser:
     f.add_argument("--gamma", type=float, default=5.0)
     f.add_argument("--ckpt-every", type=int, default=50)
     f.add_argument("--export", type=Path, default=None, help="also write the drafter folder at each checkpoint")
-    f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower where the CPU or GPU has bf16 arithmetic; "
-                                                          "CPUs without it train in fp32 anyway)")
+    f.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower on a GPU or a CPU with AMX; "
+                                                          "CPUs without AMX train in fp32 anyway)")
     f.add_argument("--loss-depths", type=int, default=None, help="train depths 1..D only (default B−1)")
     f.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of the target's layers")
     f.add_argument("--draft-vocab", type=int, default=0,
@@ -274,8 +274,8 @@ def _run(ap: argparse.ArgumentParser, a: argparse.Namespace, target, fit_cfg: Fi
             ap.error("--prompts, --batch and --max-new-tokens must be positive")
         for flag, dt in (("--gen-dtype", a.gen_dtype), ("--request-dtype", a.request_dtype)):
             if dt == "bfloat16" and not bf16_is_fast(target.device):
-                print(f"data: this CPU has no bf16 arithmetic (AVX512-BF16 / AMX): {flag} bfloat16 will be "
-                      "slower than float32 here, not faster", file=sys.stderr)
+                print(f"data: this CPU has no AMX: {flag} bfloat16 will be slower than float32 here, not "
+                      "faster", file=sys.stderr)
         make_data(target, a.out, a.prompts, a.batch, a.max_new_tokens,
                   spread_layer_ids(target.num_layers, a.feature_layers), seed=a.seed, corpus=a.corpus,
                   features=not a.no_features, gen_dtype=a.gen_dtype and getattr(torch, a.gen_dtype),

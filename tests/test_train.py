@@ -969,16 +969,19 @@ def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
     assert live_log[0]["feature_noise"] == 0.5 and abs(live_log[0]["loss"] - noisy[0]["loss"]) < 1e-3
 
 
-def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys, monkeypatch):
-    """bf16 autocast is emulated on CPUs without AVX512-BF16 / AMX (~20× slower than float32): fit
-    says so and trains in float32; the flag test reads the CPU's own flags."""
+def test_fit_trains_in_float32_on_a_cpu_without_amx(tmp_path, capsys, monkeypatch):
+    """bf16 autocast is emulated on CPUs without AVX512-BF16 (~20× slower than float32) and still
+    slower with it but without AMX (~2×): fit says so and trains in float32; the flag tests read the
+    CPU's own flags."""
     from bastion.kernels import cpu_build
     from bastion.train import main
 
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2 fma")
-    assert not cpu_build.cpu_has_bf16()
+    assert not cpu_build.cpu_has_amx()
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : avx2 avx512f avx512_bf16")
-    assert cpu_build.cpu_has_bf16()
+    assert not cpu_build.cpu_has_amx()
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : avx512_bf16 amx_tile amx_bf16 amx_int8")
+    assert cpu_build.cpu_has_amx()
     data = tmp_path / "data"
     assert main(["data", "--out", str(data), "--prompts", "2", "--batch", "2", "--max-new-tokens", "8",
                  "--threads", "1"]) == 0
@@ -989,10 +992,10 @@ def test_fit_trains_in_float32_on_a_cpu_without_bf16_arithmetic(tmp_path, capsys
     fit = ["fit", "--data", str(data), "--rows", "2", "--anchors", "2", "--loss-depths", "2", "--steps", "1",
            "--threads", "1"]
     for has, ckpt in ((False, "a"), (True, "b")):
-        monkeypatch.setattr(cpu_build, "cpu_has_bf16", lambda has=has: has)
+        monkeypatch.setattr(cpu_build, "cpu_has_amx", lambda has=has: has)
         capsys.readouterr()
         assert main(fit + ["--ckpt", str(tmp_path / ckpt)]) == 0
-        assert ("no bf16 arithmetic" in capsys.readouterr().err) is not has
+        assert ("training in float32" in capsys.readouterr().err) is not has
     assert seen == [False, True]
 
 
