@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .target_lean import LEAN_LAYERS, rms_norm
+from .target_lean import decoder_qualifies, rms_norm
 
 SHRINK_AT = 0.9  # drop finished rows once at most this share of the batch is still writing
 PREFILL_ROWS = 32  # prompts read together
@@ -69,19 +70,12 @@ class _Layer:
 
 
 def qualifies(model) -> bool:
-    """Whether :func:`greedy_batch` runs ``model`` (a transformers causal LM): a Llama or Qwen3 decoder
-    whose every layer uses full attention, a SiLU MLP without biases, and projections that are all with
-    or all without biases."""
-    dec = model.get_decoder()
-    cfg = model.config
-    layers = getattr(dec, "layers", None)
-    if (layers is None or getattr(cfg, "hidden_act", None) != "silu"
-            or not all(hasattr(dec, a) for a in ("embed_tokens", "norm", "rotary_emb"))
-            or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or []))):
+    """Whether :func:`greedy_batch` runs ``model`` (a transformers causal LM): a decoder the lean loops
+    reproduce (``target_lean.decoder_qualifies``: Llama or Qwen3, full attention, SiLU MLP) whose MLP has
+    no biases and whose q/k/v projections all have or all lack one (they are stacked)."""
+    if not decoder_qualifies(model):
         return False
-    for layer in layers:
-        if type(layer).__name__ not in LEAN_LAYERS or getattr(layer.self_attn, "sliding_window", None) is not None:
-            return False
+    for layer in model.get_decoder().layers:
         a, m = layer.self_attn, layer.mlp
         if len({p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj)}) != 1 or any(
                 p.bias is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
@@ -98,17 +92,11 @@ def _stack(layer) -> _Layer:
                   m.down_proj.weight)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of x [B, heads, L, d] at cos/sin [B, 1, L, d] (half-split layout)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def _step(p: _Layer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: int,
           cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, dims: tuple[int, int, int, float]) -> torch.Tensor:
     """One decoder layer on x [B, L, h] whose tokens sit at cache positions [at, at + L): appends their
-    keys and values to ``keys``/``values`` [B, nkv, ≥ at + L, d] and attends over positions < at + L
-    under the additive ``mask`` [B, 1, L, at + L]."""
+    keys (rotated at cos/sin [B, L, d]) and values to ``keys``/``values`` [B, nkv, ≥ at + L, d] and
+    attends over positions < at + L under the additive ``mask`` [B, 1, L, at + L]."""
     nq, nkv, d, scale = dims
     B, L, _ = x.shape
     attn = p.layer.self_attn
@@ -117,8 +105,7 @@ def _step(p: _Layer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     q, k = q.view(B, L, nq, d), k.view(B, L, nkv, d)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-    q = _rotate(q.transpose(1, 2), cos, sin)
-    keys[:, :, at:at + L] = _rotate(k.transpose(1, 2), cos, sin)
+    q, keys[:, :, at:at + L] = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     values[:, :, at:at + L] = v.view(B, L, nkv, d).transpose(1, 2)
     K, V = keys[:, :, :at + L], values[:, :, :at + L]
     g = nq // nkv  # query heads sharing one key-value head: one product per key-value head
@@ -183,8 +170,7 @@ def greedy_batch(model, ids: torch.Tensor, valid: torch.Tensor, max_new_tokens: 
     done = torch.zeros(B, dtype=torch.bool, device=dev)  # wrote a stop token (read it in the next step)
 
     def forward(x, at, pos, mask, part=slice(None)):  # the rows `part` of the batch read x [b, L, h]
-        cos, sin = dec.rotary_emb(x, pos)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = dec.rotary_emb(x, pos)  # [b, L, d]
         for i, p in enumerate(layers):
             x = _step(p, x, keys[i][part], values[i][part], at, cos, sin, mask, dims)
             if features and i in slot:

@@ -38,20 +38,27 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 LEAN_LAYERS = ("LlamaDecoderLayer", "Qwen3DecoderLayer")  # decoder layers the loop reproduces
 
 
-def lean_qualifies(target: Target) -> bool:
-    """Whether :func:`lean_forward` computes exactly what transformers' forward does here: a CPU
-    float32 Llama or Qwen3 decoder (every layer full attention, SiLU MLP) whose attention already
-    runs in the native kernel (the cache's layers are updated as transformers' attention does)."""
-    dec = target.model.get_decoder()
+def decoder_qualifies(model) -> bool:
+    """Whether a loop over ``model``'s own modules reproduces its decoder: a Llama or Qwen3 decoder
+    (every layer full attention, SiLU MLP) with its embedding, final norm and rotary embedding
+    (:func:`lean_qualifies` here, ``batchgen.qualifies`` for training data)."""
+    dec, cfg = model.get_decoder(), model.config
     layers = getattr(dec, "layers", None)
-    if (target.device.type != "cpu" or target.dtype != torch.float32 or not cpu_native.available()
-            or getattr(target.config, "_attn_implementation", None) != NATIVE_NAME
-            or getattr(target.config, "hidden_act", None) != "silu" or layers is None
+    if (getattr(cfg, "hidden_act", None) != "silu" or layers is None
             or not all(hasattr(dec, a) for a in ("embed_tokens", "norm", "rotary_emb"))
-            or any(t != "full_attention" for t in (getattr(target.config, "layer_types", None) or []))):
+            or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or []))):
         return False
     return all(type(layer).__name__ in LEAN_LAYERS
                and getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+
+
+def lean_qualifies(target: Target) -> bool:
+    """Whether :func:`lean_forward` computes exactly what transformers' forward does here: a CPU
+    float32 decoder the loop reproduces (:func:`decoder_qualifies`) whose attention already runs in
+    the native kernel (the cache's layers are updated as transformers' attention does)."""
+    return (target.device.type == "cpu" and target.dtype == torch.float32 and cpu_native.available()
+            and getattr(target.config, "_attn_implementation", None) == NATIVE_NAME
+            and decoder_qualifies(target.model))
 
 
 def lean_plan(target: Target, layers) -> list[tuple] | None:
