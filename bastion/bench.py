@@ -249,7 +249,8 @@ def add_parser(sub) -> None:
                    "datastore branch), bastion:nocond (no n-gram re-weighting of the tree's children), "
                    "bastion:drafter (the drafter's marginals alone), bastion:copies (no draft: prompt lookup and the datastore "
                    "alone), bastion:nodecost (the host's build + commit "
-                   "time per tree node priced in the throughput rule); "
+                   "time per tree node priced in the throughput rule), bastion:fulldepth (drafts the whole "
+                   "block every round); "
                    "a drafting name ending in :nopad verifies trees without row padding, one ending in @b "
                    "decodes with --drafter-b")
     b.add_argument("--hf-baselines", action="store_true",

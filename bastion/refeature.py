@@ -9,7 +9,6 @@ GPU wrote in minutes), checking each token against this target's greedy choice.
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 
 from .loading import encode_prompt
 from .target import Target
-from .traindata import _records, _refuse_other_settings, atomic_save, progress
+from .traindata import _records, _refuse_other_settings, atomic_save, pending_shards, progress
 
 
 def assistant_header(tokenizer) -> list[int]:
@@ -75,15 +74,9 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
     (out / "meta.json").write_text(json.dumps(meta))
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    n_shards, t0 = math.ceil(len(pairs) / batch), time.time()
-    for s in range(n_shards):
-        path = out / f"shard_{s:05d}.pt"
-        if path.exists():
-            continue
-        chunk = pairs[s * batch:(s + 1) * batch]
+    for path, lo, hi in pending_shards(out, len(pairs), batch, "replies"):
+        chunk = pairs[lo:hi]
         atomic_save(_records(target, [q for q, _ in chunk], [p for _, p in chunk], pad, features), path)
-        progress(s + 1, n_shards, t0, f"shard {s}")
-    print(file=sys.stderr)
 
 
 @torch.inference_mode()
@@ -120,11 +113,12 @@ def make_features(target: Target, out: Path, source: Path, batch: int) -> None:
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     sizes = [len(torch.load(path, mmap=True)) for path in shards]  # ids only: small, for the progress bar
-    t0, seen, total = time.time(), 0, sum(sizes)
+    total = sum(sizes)
+    seen = sum(n for path, n in zip(shards, sizes) if (out / path.name).exists())  # a resumed job's
+    t0, base = time.time(), seen
     for s, path in enumerate(shards):
         dest = out / path.name
         if dest.exists():
-            seen += sizes[s]
             continue
         recs = torch.load(path)
         order = sorted(range(len(recs)), key=lambda i: len(recs[i]["ids"]))
@@ -135,6 +129,6 @@ def make_features(target: Target, out: Path, source: Path, batch: int) -> None:
                             pad, features=True, check=True)
             done.update(zip(idx, made))
             seen += len(idx)
-            progress(seen, total, t0, f"shard {s + 1}/{len(shards)}")
+            progress(seen, total, t0, f"shard {s + 1}/{len(shards)}", unit="replies", base=base)
         atomic_save([done[i] for i in range(len(recs))], dest)
     print(file=sys.stderr)

@@ -51,16 +51,35 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def progress(done: int, total: int, t0: float, extra: str = "", deadline: float | None = None) -> None:
+def progress(done: int, total: int, t0: float, extra: str = "", deadline: float | None = None,
+             unit: str = "", base: int = 0) -> None:
     """One carriage-return line on stderr: done/total, the rate since `t0`, and the time left — by the
     rate, or until `deadline` (a ``time.time()`` value) where that comes first (a fit bounded by
-    ``--minutes`` with a large ``--steps`` would otherwise promise days)."""
+    ``--minutes`` with a large ``--steps`` would otherwise promise days). `base` items were done before
+    `t0` (a resumed job's finished shards): they count in done/total, not in the rate."""
     now = time.time()
-    rate = done / max(now - t0, 1e-9)
+    rate = (done - base) / max(now - t0, 1e-9)
     eta = (total - done) / rate if rate > 0 else float("inf")
     if deadline is not None:
         eta = max(0.0, min(eta, deadline - now))
-    print(f"\r[{done}/{total}] {rate:.2f}/s eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
+    per = f" {unit}/s" if unit else "/s"
+    print(f"\r[{done}/{total}] {rate:.2f}{per} eta {eta / 60:.1f} min {extra}", end="", file=sys.stderr, flush=True)
+
+
+def pending_shards(out: Path, n: int, batch: int, unit: str):
+    """Yields ``(path, lo, hi)`` for each shard of items ``lo:hi`` (of `n`, `batch` a shard) that is not
+    yet in `out`, and after each one the caller wrote, a progress line counted in items (`unit`, e.g.
+    "replies"): a resumed job reports its own rate, not one inflated by the shards it skipped."""
+    n_shards = math.ceil(n / batch)
+    todo = [s for s in range(n_shards) if not (out / f"shard_{s:05d}.pt").exists()]
+    done = n - sum(min(batch, n - s * batch) for s in todo)
+    base, t0 = done, time.time()
+    for s in todo:
+        lo, hi = s * batch, min(n, (s + 1) * batch)
+        yield out / f"shard_{s:05d}.pt", lo, hi
+        done += hi - lo
+        progress(done, n, t0, f"shard {s + 1}/{n_shards}", unit=unit, base=base)
+    print(file=sys.stderr)
 
 
 
@@ -85,13 +104,17 @@ class NucleusSampler:
     def __init__(self, top_p: float):
         self.top_p = top_p
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sampled ids [b] for logits [b, V] (what the lean loop needs: no [b, V] row to fill)."""
         x = scores.float()
         thr = filter_thresholds(x, None, self.top_p)[:, None]                     # [b, 1]
         m = int((x >= thr).sum(dim=-1).max())                                     # the largest nucleus
         vals, idx = torch.topk(x, m, dim=-1)                                      # [b, m], descending
         probs = torch.softmax(vals.masked_fill(vals < thr, float("-inf")), dim=-1)
-        pick = idx.gather(1, torch.multinomial(probs, 1))                         # [b, 1]
+        return idx.gather(1, torch.multinomial(probs, 1))[:, 0]                   # [b]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        pick = self.draw(scores)[:, None]                                         # [b, 1]
         return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
@@ -128,7 +151,7 @@ def make_requests(target: Target, n: int, seed: int = 0, batch: int = 64, exclud
                 if q not in seen and q not in exclude and len(out) < n:
                     seen.add(q)
                     out.append(q)
-        progress(len(out), n, t0, f"round {r + 1}/{rounds}")
+        progress(len(out), n, t0, f"round {r + 1}/{rounds}", unit="requests")
         if len(out) >= n:
             print(file=sys.stderr)
             return out
@@ -151,7 +174,7 @@ def _sample_lists(model, ids: torch.Tensor, att: torch.Tensor, max_new_tokens: i
         ends = model.generation_config.eos_token_id
         stop_ids = {ends} if isinstance(ends, int) else set(ends or ())  # generate's: pad is not one
         got = batchgen.greedy_batch(model, ids, att, max_new_tokens, [], stop_ids, features=False,
-                                    choose=lambda logits: sampler(None, logits).argmax(-1)).tokens.tolist()
+                                    choose=sampler.draw).tokens.tolist()
         return [g[:next((i + 1 for i, t in enumerate(g) if t in stop_ids), len(g))] for g in got]
     gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                          logits_processor=LogitsProcessorList([sampler]), pad_token_id=pad,
@@ -231,16 +254,9 @@ def make_data(target: Target, out: Path, n_prompts: int, batch: int, max_new_tok
     (out / "meta.json").write_text(json.dumps(meta | {"prompts": len(prompts)}))
     target.set_feature_layers(layer_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    n_shards = math.ceil(len(prompts) / batch)
-    t0 = time.time()
-    for s in range(n_shards):
-        path = out / f"shard_{s:05d}.pt"
-        if path.exists():
-            continue
-        enc = [encode_prompt(tok, p) for p in prompts[s * batch:(s + 1) * batch]]
+    for path, lo, hi in pending_shards(out, len(prompts), batch, "replies"):
+        enc = [encode_prompt(tok, p) for p in prompts[lo:hi]]
         atomic_save(_shard(target, model, enc, pad, max_new_tokens, layer_ids, features, check), path)
-        progress(s + 1, n_shards, t0, f"shard {s}")
-    print(file=sys.stderr)
 
 
 def _shard(target: Target, model, enc: list[list[int]], pad: int, max_new_tokens: int, layer_ids: list[int],
@@ -364,17 +380,11 @@ def make_text(target: Target, out: Path, sources: list[str], n_chunks: int, batc
     (out / "meta.json").write_text(json.dumps(meta | {"found": len(chunks)}))
     target.set_feature_layers(layer_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    n_shards, t0 = math.ceil(len(chunks) / batch), time.time()
-    for s in range(n_shards):
-        path = out / f"shard_{s:05d}.pt"
-        if path.exists():
-            continue
-        prompts = [encode_prompt(tok, req) for req, _ in chunks[s * batch:(s + 1) * batch]]
+    for path, lo, hi in pending_shards(out, len(chunks), batch, "documents"):
+        prompts = [encode_prompt(tok, req) for req, _ in chunks[lo:hi]]
         seqs = [p + tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
-                for p, (_, text) in zip(prompts, chunks[s * batch:(s + 1) * batch])]
+                for p, (_, text) in zip(prompts, chunks[lo:hi])]
         atomic_save(_records(target, seqs, [len(p) for p in prompts], pad, greedy=True), path)
-        progress(s + 1, n_shards, t0, f"shard {s}")
-    print(file=sys.stderr)
 
 
 def load_shards(data: Path | list[Path], ids_only: bool = False) -> list[dict]:

@@ -10,7 +10,7 @@ import torch
 
 from bastion.corpus import build_corpus
 from bastion.loading import DEV_PROMPTS, EVAL_PROMPTS
-from bastion.traindata import progress
+from bastion.traindata import pending_shards, progress
 from tiny import tiny_drafter, tiny_target
 
 
@@ -1009,3 +1009,22 @@ def test_progress_counts_down_to_a_deadline_that_comes_before_the_steps_run_out(
     assert "eta 0.2 min" in capsys.readouterr().err
     progress(10, 100_000, t0, deadline=time.time() - 5.0)  # past it: never negative
     assert "eta 0.0 min" in capsys.readouterr().err
+
+
+def test_progress_rate_leaves_out_the_items_a_resumed_job_found_done(capsys):
+    t0 = time.time() - 10.0
+    progress(30, 100, t0, unit="replies", base=20)  # 10 written in 10 s, 70 to go
+    err = capsys.readouterr().err
+    assert "[30/100] 1.00 replies/s eta 1.2 min" in err
+
+
+def test_pending_shards_skips_finished_shards_and_counts_items(tmp_path, capsys):
+    (tmp_path / "shard_00001.pt").write_bytes(b"done")
+    got = []
+    for path, lo, hi in pending_shards(tmp_path, 10, 4, "replies"):
+        got.append((path.name, lo, hi))
+        path.write_bytes(b"x")
+    assert got == [("shard_00000.pt", 0, 4), ("shard_00002.pt", 8, 10)]
+    err = capsys.readouterr().err
+    assert "[8/10]" in err and "[10/10]" in err and "replies/s" in err and "shard 3/3" in err
+    assert list(pending_shards(tmp_path, 10, 4, "replies")) == []  # all done: nothing to write
