@@ -86,6 +86,39 @@ def test_save_and_load_round_trip_and_bad_files(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # the atomic save left nothing behind
 
 
+def test_datastore_file_is_compressed_and_the_first_format_still_loads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bastion.datastore import _OFFSET
+    seqs = [[(7 * i + j) % 300 for j in range(40)] for i in range(200)]  # repetitive, like replies
+    ds = Datastore.from_sequences(seqs, 49152)
+    ds.save(tmp_path)
+    with safe_open(str(tmp_path / FILE), framework="pt") as f:
+        assert set(f.keys()) == {"tokens_zlib", "vocab_size"}
+        assert f.metadata()["count"] == str(len(ds.tokens))
+    assert (tmp_path / FILE).stat().st_size < 2 * len(ds.tokens) / 4  # int16 would take 2 bytes a token
+    assert torch.equal(Datastore.load(tmp_path, 49152).tokens, ds.tokens)
+    # a file written before the compression: the tokens as plain int16
+    old = tmp_path / "v1"
+    old.mkdir()
+    save_file({"tokens": (ds.tokens - _OFFSET).to(torch.int16), "vocab_size": torch.tensor([49152])},
+              str(old / FILE), metadata={"format": "bastion datastore v1"})
+    assert torch.equal(Datastore.load(old, 49152).tokens, ds.tokens)
+    # a damaged stream, and one whose header disagrees with it: a clear error, not a short datastore
+    with safe_open(str(tmp_path / FILE), framework="pt") as f:
+        packed, meta = f.get_tensor("tokens_zlib"), f.metadata()
+    bad = packed.clone()
+    bad[len(bad) // 2:] = 0
+    save_file({"tokens_zlib": bad, "vocab_size": torch.tensor([49152])}, str(tmp_path / FILE), metadata=meta)
+    with pytest.raises(ValueError, match="damaged datastore"):
+        Datastore.load(tmp_path, 49152)
+    save_file({"tokens_zlib": packed, "vocab_size": torch.tensor([49152])}, str(tmp_path / FILE),
+              metadata=meta | {"count": "12"})
+    with pytest.raises(ValueError, match="header says 12"):
+        Datastore.load(tmp_path, 49152)
+
+
 def test_default_datastore_is_found_beside_a_drafter_folder(tmp_path):
     from bastion.loading import load_default_datastore
 
