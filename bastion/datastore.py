@@ -221,13 +221,11 @@ class Datastore:
     def load(cls, folder: str | Path, vocab_size: int, **kw) -> "Datastore":
         """Read ``folder/datastore.safetensors``; the target's vocabulary must be the one it was built for."""
         from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file
 
         path = Path(folder) / FILE
         try:
-            data = load_file(str(path))
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
+            with safe_open(str(path), framework="pt") as f:  # one read: the tensors and the header's metadata
+                data, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         except FileNotFoundError:
             raise FileNotFoundError(f"no datastore at {path}") from None
         except (SafetensorError, OSError) as exc:
