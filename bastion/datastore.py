@@ -83,24 +83,41 @@ class Datastore:
         """(sorted int64 hashes, int32 end positions): the n-gram ending at position e is
         tokens[e−n+1..e], hashed as Σ_j (t_j + 1)·(V + 1)^(n−1−j) — exact (no collisions) while
         (V + 1)^n < 2^62. NumPy, in place where it can: the index is ~12 bytes per token and n,
-        and the build's temporaries are handed back to the OS afterwards (:func:`_trim_heap`)."""
+        and the build's temporaries are handed back to the OS afterwards (:func:`_trim_heap`).
+
+        The hashes are computed over slices (sequential passes). Where a hash fits 32 bits (bigrams
+        of a vocabulary below 65,535) it is packed with its end position into one int64 key,
+        hash·2^31 + e, and one sort of the keys orders both — equal hashes by position, as the
+        stable sort does — without the random-access gathers of an argsort's permutation, which cost
+        most of a build here (session 59: bigrams of 9.4 M tokens 2.7–3.4 s → 0.3–0.6 s)."""
         base = self.vocab_size + 1
         if base ** n >= 2 ** 62:
             raise ValueError(f"{n}-grams of a {self.vocab_size}-token vocabulary do not fit a 64-bit hash")
         t = self._tokens_np
         if t.size < n + 1:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
+        m = t.size - n  # windows starting at 0..m−1, each with a token after it
         # n-grams across a separator never match a context; one that ends a reply has no continuation
         ok = t[n:] >= 0
         for j in range(n):
-            ok &= t[j:j + t.size - n] >= 0
-        starts = np.flatnonzero(ok)
-        del ok
-        h = np.zeros(starts.size, np.int64)
+            ok &= t[j:j + m] >= 0
+        h = np.zeros(m, np.int64)
         for j in range(n):
             h *= base
-            h += t[starts + j]
+            h += t[j:j + m]
             h += 1
+        if base ** n <= 2 ** 32 and t.size < 2 ** 31:
+            h <<= 31
+            h += np.arange(n - 1, m + n - 1, dtype=np.int64)  # the window's end position
+            key = h[ok]
+            del h, ok
+            key.sort()  # distinct keys: any sort gives the stable order
+            ends = (key & ((1 << 31) - 1)).astype(np.int32)
+            key >>= 31
+            return key, ends
+        starts = np.flatnonzero(ok)
+        h = h[ok]
+        del ok
         order = np.argsort(h, kind="stable")  # equal hashes keep text order
         h = h[order]
         starts = starts[order]

@@ -253,19 +253,22 @@ def test_conditioned_trees_stay_lossless_and_differ_from_plain_ones(temperature)
     assert Step.from_dict(on[0].to_dict()).conditioned == on[0].conditioned
 
 
-def test_the_index_is_compact_and_its_hashes_are_the_grams():
+@pytest.mark.parametrize("vocab", [50, 49152, 70000])
+def test_the_index_is_compact_and_its_hashes_are_the_grams(vocab):
     """The index costs 12 bytes per n-gram (int64 hash, int32 position) and the tokens 4 bytes each
     — loading the shipped datastore held ~390 MiB of RSS with int64 positions and tokens built through
     torch temporaries, ~140 MiB now (session 47) —, and each hash is its gram's, sorted, equal hashes
-    in text order."""
+    in text order. Both builds: hashes under 2^32 packed with their positions into one sorted key
+    (every n here at vocabulary 50, the bigrams at SmolLM2's 49,152), longer ones through an argsort
+    (the trigrams there, everything at 70,000)."""
     rng = random.Random(5)
-    seqs = [[rng.randrange(50) for _ in range(rng.randint(1, 40))] for _ in range(60)]
-    ds = Datastore.from_sequences(seqs, 50)
+    seqs = [[vocab - 1 - rng.randrange(50) for _ in range(rng.randint(1, 40))] for _ in range(60)]
+    ds = Datastore.from_sequences(seqs, vocab)
     flat = [t for s in seqs for t in s + [-1]]
     assert ds.tokens.dtype == torch.int32 and ds.tokens.tolist() == flat
     for n in ds.ngrams:
         hashes, ends = ds._index[n]
         assert hashes.dtype.itemsize == 8 and ends.dtype.itemsize == 4
-        want = sorted((sum((flat[e - n + 1 + j] + 1) * 51 ** (n - 1 - j) for j in range(n)), e)
+        want = sorted((sum((flat[e - n + 1 + j] + 1) * (vocab + 1) ** (n - 1 - j) for j in range(n)), e)
                       for e in range(n - 1, len(flat) - 1) if min(flat[e - n + 1:e + 2]) >= 0)
         assert list(zip(hashes.tolist(), ends.tolist())) == want
