@@ -272,3 +272,32 @@ def test_the_index_is_compact_and_its_hashes_are_the_grams(vocab):
         want = sorted((sum((flat[e - n + 1 + j] + 1) * (vocab + 1) ** (n - 1 - j) for j in range(n)), e)
                       for e in range(n - 1, len(flat) - 1) if min(flat[e - n + 1:e + 2]) >= 0)
         assert list(zip(hashes.tolist(), ends.tolist())) == want
+
+
+def test_the_index_is_built_without_numpys_huge_page_advice_and_the_setting_comes_back(monkeypatch):
+    """``_small_pages``: NumPy's madvise of huge pages stalled the build's first touches (session 59:
+    loading 4.0–4.5 s with it, 1.8–2.0 s without); off for the build only, the caller's setting restored."""
+    multiarray = pytest.importorskip("numpy._core.multiarray")
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    if setter is None:
+        pytest.skip("this NumPy has no huge-page switch")
+
+    def current() -> bool:
+        value = setter(False)
+        setter(value)
+        return bool(value)
+
+    seen = []
+    build = Datastore._build
+    monkeypatch.setattr(Datastore, "_build", lambda self, n: seen.append(current()) or build(self, n))
+    before = setter(True)
+    try:
+        ds = Datastore.from_sequences([[1, 2, 3, 1, 2, 4], [2, 3, 1]], 10)
+        assert seen == [False, False] and current() is True
+        setter(False)
+        ds._counts.clear()
+        del ds._index[3]
+        ds.prepare_successors()  # a lazily built index goes through the same switch
+        assert seen == [False, False, False] and current() is False
+    finally:
+        setter(before)
