@@ -21,7 +21,7 @@ Stored as ``datastore.safetensors`` beside the drafter's weights: the tokens as 
 2^15 − 1, so the separator and a vocabulary up to 65,535 fit), zlib-compressed into a uint8 tensor,
 and the target's vocabulary size. Compressed, session 52's 7.3 M tokens took 4.9 MiB instead of
 14.0 (a reply's tokens repeat a few thousand common ids); inflating them takes 0.08 s of the 2.8 s
-that loading and indexing them take (session 58, the 2-core Xeon). The repository's size limit
+that loading and indexing them took (session 58, the 2-core Xeon; see :func:`_index_build` for later). The repository's size limit
 (``tests/test_repository.py``: the tree travels with every GPU call) is what bounds the datastore,
 so the bytes buy replies. Files of the first format (``"tokens"`` as plain int16) still load.
 """
@@ -66,9 +66,8 @@ class Datastore:
         # the index and a view of the tokens (no copy) are NumPy: a query's few small ops cost ~1 µs
         # each there against ~10 µs as tensor ops (bench/NOTES.md, session 33)
         self._tokens_np = self.tokens.numpy()
-        with _small_pages():
+        with _index_build():
             self._index = {n: self._build(n) for n in self.ngrams}
-        _trim_heap()
         self._counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # see _gram_counts
         self._succ_cache: dict[tuple[int, ...], tuple[dict[int, int], int]] = {}
 
@@ -85,7 +84,7 @@ class Datastore:
         """(sorted int64 hashes, int32 end positions): the n-gram ending at position e is
         tokens[e−n+1..e], hashed as Σ_j (t_j + 1)·(V + 1)^(n−1−j) — exact (no collisions) while
         (V + 1)^n < 2^62. NumPy, in place where it can: the index is ~12 bytes per token and n,
-        and the build's temporaries are handed back to the OS afterwards (:func:`_trim_heap`).
+        and the build's temporaries are handed back to the OS afterwards (:func:`_index_build`).
 
         The hashes are computed over slices (sequential passes). Where a hash fits 32 bits (bigrams
         of a vocabulary below 65,535) it is packed with its end position into one int64 key,
@@ -212,9 +211,8 @@ class Datastore:
         got = self._counts.get(n)
         if got is None:
             if n not in self._index:
-                with _small_pages():
+                with _index_build():
                     self._index[n] = self._build(n)
-                _trim_heap()
             h = self._index[n][0]
             starts = np.flatnonzero(np.concatenate(([True], h[1:] != h[:-1]))) if h.size else np.zeros(0, np.int64)
             got = self._counts[n] = (h[starts], np.concatenate((starts, [h.size])).astype(np.int64))
@@ -289,16 +287,18 @@ def _trim_heap() -> None:
 
 
 @contextmanager
-def _small_pages():
-    """Within the block, NumPy does not advise the kernel to back new large arrays with 2 MiB pages.
+def _index_build():
+    """Around an index build: within the block, NumPy does not advise the kernel to back new large
+    arrays with 2 MiB pages; on exit the previous setting comes back and the build's freed
+    temporaries are handed back to the OS (:func:`_trim_heap`).
 
     NumPy asks for huge pages (``madvise``) on every large array; where the kernel then gathers free
     memory into huge pages synchronously — ``transparent_hugepage/defrag`` = ``madvise``, the
     kernel's default — the first touch of an index build's ~0.5 GB of fresh arrays stalled on that
     compaction. Loading the shipped datastore on the 2-core Xeon (session 59, fresh processes,
     alternated): 4.0–4.5 s with the advice, 1.8–2.0 s without, and 3,000 proposals from the index as
-    fast or faster (0.34–0.40 against 0.41–0.44 s). The switch is NumPy's own (private) one; the
-    previous setting comes back on exit, and where a NumPy lacks it the block changes nothing."""
+    fast or faster (0.34–0.40 against 0.41–0.44 s). The switch is NumPy's own (private) one; where a
+    NumPy lacks it the block only trims the heap."""
     setter = None
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
         try:
@@ -312,6 +312,7 @@ def _small_pages():
     finally:
         if setter is not None:
             setter(previous)
+        _trim_heap()
 
 
 class NgramPrior:

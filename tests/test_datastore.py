@@ -275,7 +275,7 @@ def test_the_index_is_compact_and_its_hashes_are_the_grams(vocab):
 
 
 def test_the_index_is_built_without_numpys_huge_page_advice_and_the_setting_comes_back(monkeypatch):
-    """``_small_pages``: NumPy's madvise of huge pages stalled the build's first touches (session 59:
+    """``_index_build``: NumPy's madvise of huge pages stalled the build's first touches (session 59:
     loading 4.0–4.5 s with it, 1.8–2.0 s without); off for the build only, the caller's setting restored."""
     multiarray = pytest.importorskip("numpy._core.multiarray")
     setter = getattr(multiarray, "_set_madvise_hugepage", None)
