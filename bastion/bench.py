@@ -78,13 +78,14 @@ class Strategy:
     couple: bool = True      # noise-coupled drafting at T > 0 (coupling.py); 'NAME:nocouple' leaves it out
     draft: bool = True       # 'bastion:copies' never drafts: prompt lookup and the datastore alone
     drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
+    refine: int = 0          # 'NAME:refineN' (N = 1 without a number): N refinement passes per draft (DFlashDrafter.draft)
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed, skip_draft=self.skip_draft,
                                 calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
                                 condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth,
-                                node_cost=self.node_cost, couple=self.couple, draft=self.draft)
+                                node_cost=self.node_cost, couple=self.couple, draft=self.draft, refine=self.refine)
 
 
 # bastion with one part switched off or changed (what each buys, measured in the same run)
@@ -114,12 +115,14 @@ def _strategy(name: str) -> Strategy:
         if s.kind in ("hf", "ar"):
             raise BenchError(f"strategy {name!r}: only drafting strategies run on --drafter-b")
         return replace(s, name=f"{s.name}@b", drafter_b=True)
-    for suffix, attr, what in ((":nopad", "pad_rows", "pad their trees"), (":nocouple", "couple", "draft coupled")):
-        if name.endswith(suffix) and name != suffix:
-            s = _strategy(name[:-len(suffix)])
-            if s.kind in ("hf", "ar"):
+    for suffix, attr, what in ((":nopad", "pad_rows", "pad their trees"), (":nocouple", "couple", "draft coupled"),
+                               (":refine", "refine", "refine")):  # :refineN: N passes (:refine one)
+        base, found, n = name.rpartition(suffix)
+        if found and base and (n == "" or (attr == "refine" and n.isascii() and n.isdigit() and int(n) > 0)):
+            s = _strategy(base)
+            if s.kind in ("hf", "ar") or (attr == "refine" and not s.draft):
                 raise BenchError(f"strategy {name!r}: only drafting strategies {what}")
-            return replace(s, name=f"{s.name}{suffix}", **{attr: False})
+            return replace(s, name=f"{s.name}{suffix}{n}", **{attr: int(n or 1) if attr == "refine" else False})
     if name in ENGINE_STRATEGIES:
         return Strategy(name, name)
     if name in HF_BASELINES:
@@ -131,7 +134,7 @@ def _strategy(name: str) -> Strategy:
         if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
             raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
         return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(BASTION_VARIANTS)}, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad or :nocouple, and then in @b)")
+    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(BASTION_VARIANTS)}, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, :nocouple or :refineN, and then in @b)")
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,37 @@ def make_batch(records: list[dict], rows: int, anchors: int, block: int, mask_id
     return Batch(feats, valid, block_ids.reshape(rows, anchors * block), block_pos, labels, anchor_pos, ids)
 
 
+def reveal_prefixes(batch: Batch, share: float, rng: random.Random) -> Batch:
+    """``batch`` with a revealed prefix in a ``share`` of its blocks: block [x_a, MASK × (B−1)] becomes
+    [x_a, y_1..y_j, MASK × (B−1−j)] with y the block's labels (what the drafter must draft there), and
+    those j labels are dropped. j ∈ [1, B−2] is drawn with P(j) ∝ 1/j: refinement passes reveal one,
+    two, three drafted tokens most often. A block whose first j labels are not all kept (−100: past
+    the reply's end, or past a departure from the target's own choices) stays as it was.
+
+    Why: the first pass's marginal at depth d averages over every token the depths before it might
+    hold, so a chain's deep tokens often do not follow its own earlier ones. Trained on revealed
+    prefixes, the drafter redrafts depths j+1.. conditioned on t_1..t_j (``DFlashDrafter.draft(refine=…)``).
+    """
+    r, AB = batch.block_ids.shape
+    A = batch.anchor_pos.shape[1]
+    B = AB // A
+    if share <= 0 or B < 3:
+        return batch
+    ids = batch.block_ids.view(r, A, B).clone()
+    lab = batch.labels.view(r, A, B - 1).clone()
+    lengths, weights = list(range(1, B - 1)), [1.0 / j for j in range(1, B - 1)]
+    for i in range(r):
+        for a in range(A):
+            if rng.random() >= share:
+                continue
+            j = rng.choices(lengths, weights)[0]
+            if bool((lab[i, a, :j] == -100).any()):
+                continue
+            ids[i, a, 1:1 + j] = lab[i, a, :j]
+            lab[i, a, :j] = -100
+    return batch._replace(block_ids=ids.view(r, AB), labels=lab.view(r, A * (B - 1)))
+
+
 def live_features(target: Target, batch: Batch) -> Batch:
     """The batch with ``feats`` computed by the target from its ids (on the target's device)."""
     feats = target.batch_features(batch.ids, batch.valid.long())

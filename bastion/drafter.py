@@ -251,7 +251,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, cache: DrafterCache, root_token: int, embed, lm_head,
-              vocab: torch.Tensor | None = None, depth: int | None = None) -> torch.Tensor:
+              vocab: torch.Tensor | None = None, depth: int | None = None, refine: int = 0) -> torch.Tensor:
         """Log-probabilities [D, V] of depths 1..D for the block [root, MASK × D] (D = ``depth``,
         default B − 1: the whole block the drafter was trained on; a shorter block drafts fewer depths
         for less work — the block attention is non-causal, so its marginals differ a little).
@@ -262,13 +262,33 @@ class DFlashDrafter(nn.Module):
         else ``draft_vocab`` — the columns are its V_d tokens (``vocab[j]`` is column j's target id)
         and ``lm_head(hidden, rows)`` must return logits of those rows only (called as
         ``lm_head(hidden, rows, low_precision=True)`` when :attr:`low_precision` is on).
+
+        ``refine`` r ≥ 1 (r < D): r more passes; pass i + 1 runs [root, t_1..t_i, MASK × (D − i)],
+        t_j the argmax at depth j so far, and replaces depths i+1..D with its own. The first pass's
+        marginal at depth d > 1 averages over every token the depths before it might hold; a refined
+        one is conditioned on the likeliest — what a chain needs whenever t_1..t_i are right (a drafter
+        trained with revealed prefixes, ``train fit --reveal``, reads them). Each pass costs a forward
+        over the block; the context is encoded once, in the first.
         """
-        device, dtype = self.fc.weight.device, self.fc.weight.dtype
         if depth is not None and not 1 <= depth < self.block_size:
             raise ValueError(f"draft depth must be in [1, {self.block_size - 1}], got {depth}")
         block = self.block_size if depth is None else depth + 1
+        if not 0 <= refine < block - 1:
+            raise ValueError(f"refine must be in [0, {block - 2}] for a {block - 1}-depth draft, got {refine}")
+        rows = vocab if vocab is not None else self.draft_vocab
+        logq = self._pass(cache, [root_token], block, embed, lm_head, rows)
+        for i in range(1, refine + 1):
+            top = logq[:i].argmax(-1)
+            head = [root_token, *(top if rows is None else rows[top]).tolist()]
+            logq = torch.cat([logq[:i], self._pass(cache, head, block, embed, lm_head, rows)[i:]])
+        return logq
+
+    def _pass(self, cache: DrafterCache, head: list[int], block: int, embed, lm_head,
+              rows: torch.Tensor | None) -> torch.Tensor:
+        """One forward of the block [*head, MASK × (block − len(head))]: log q [block − 1, V or V_d]."""
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
         ids = torch.full((1, block), self.cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = root_token
+        ids[0, :len(head)] = torch.tensor(head, dtype=torch.long, device=device)
         emb = embed(ids)
         x = emb.to(dtype)
         fresh = None
@@ -293,7 +313,6 @@ class DFlashDrafter(nn.Module):
                 values.append(v)
             cache.keys, cache.values = keys, values
             hidden = self.norm(x)[0, 1:].to(emb.dtype)
-        rows = vocab if vocab is not None else self.draft_vocab
         if rows is None:
             logits = lm_head(hidden)
         else:

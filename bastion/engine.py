@@ -279,12 +279,13 @@ class Engine:
                         text=TextStream(target.tokenizer.decode, prompt_ids) if target.tokenizer is not None else None)
 
     def _draft(self, req: Request, times: StageTimes) -> Draft:
-        """One drafter forward over [root, MASK × D]: the top-k of each depth's marginal log q (D, k),
+        """One drafter forward over [root, MASK × D] (two with ``cfg.refine``): the top-k of each depth's marginal log q (D, k),
         calibrated to log g(q) for ranking, on the host as lists."""
         cfg, limit = req.cfg, self.target.max_positions
         with self.timer(times, "draft"):
-            logq = self.drafter.draft(req.dcache, req.root, self.target.embed, self.target.lm_head, req.vocab,
-                                      req.depth.depth())
+            depth = req.depth.depth()  # refine only when asked: a duck-typed drafter need not know the word
+            more = {"refine": min(cfg.refine, depth - 1)} if cfg.refine and depth > 1 else {}
+            logq = self.drafter.draft(req.dcache, req.root, self.target.embed, self.target.lm_head, req.vocab, depth, **more)
             # never draft past the context limit; one host transfer of the top-k lists
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]
             if req.draft_noise is not None:  # T > 0: rank by the target's own draws too (coupling.py)

@@ -21,7 +21,7 @@ import torch
 
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter, save_drafter
-from .distill import live_features, make_batch, noisy_features, train_step
+from .distill import live_features, make_batch, noisy_features, reveal_prefixes, train_step
 from .drafter_ops import build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
 from .target import Target
 from .traindata import atomic_save, count_shards, load_shards, progress
@@ -61,6 +61,10 @@ class FitConfig:
     feature layer's RMS per token (``distill.noisy_features``); a regulariser, drawn per step from
     ``seed`` and the step number. 0: none.
 
+    ``reveal``: the share of blocks whose first j ≥ 1 masks hold their labels instead (no loss there;
+    ``distill.reveal_prefixes``), so the drafter learns to read drafted tokens: what its refinement
+    passes show it (``DFlashDrafter.draft(refine=…)``). 0: none.
+
     ``live``: context features come from the target on every batch (``live_features``) instead of
     the shards, which then need only token ids (``data --no-features``).
     """
@@ -87,6 +91,7 @@ class FitConfig:
     add_feature_layers: tuple[int, ...] | None = None
     accept: float = 0.0
     feature_noise: float = 0.0   # σ of the context features' noise, relative to each layer's RMS
+    reveal: float = 0.0          # share of blocks with a revealed prefix (distill.reveal_prefixes)
     warmup: int = 50
 
     def validate(self) -> None:
@@ -100,6 +105,8 @@ class FitConfig:
             raise ValueError(f"--accept {self.accept}: give a weight in [0, 1]")
         if not 0.0 <= self.feature_noise <= 10.0:
             raise ValueError(f"--feature-noise {self.feature_noise}: give a σ in [0, 10] (a fraction of each layer's RMS)")
+        if not 0.0 <= self.reveal <= 1.0:
+            raise ValueError(f"--reveal {self.reveal}: give a share of blocks in [0, 1]")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers {self.layers}: give a positive layer count")
 
@@ -242,13 +249,15 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
         # a single full-length block draws nothing: runs without --blocks keep their exact batch stream
         # (and resume bit for bit from checkpoints written before the option existed)
         b = drafter.block_size if blocks == [drafter.block_size] else rng.choice(blocks)
-        batch = make_batch(records, cfg.rows, cfg.anchors, b, cfg.mask_token_id, rng).to(target.device)
+        batch = reveal_prefixes(make_batch(records, cfg.rows, cfg.anchors, b, cfg.mask_token_id, rng), cfg.reveal,
+                                rng).to(target.device)
         loss, acc, run = _step(drafter, target, opt, cfg, batch, stored_ids, step, bf16)
         step += 1
         log.append({"step": step, "loss": round(loss, 4), "acc": [round(a, 3) for a in acc],
                     "chain_len": round(run, 3), "time": round(time.time() - t0, 1)}
                    | ({"kd": cfg.kd} if cfg.kd else {}) | ({"accept": cfg.accept} if cfg.accept else {})
-                   | ({"feature_noise": cfg.feature_noise} if cfg.feature_noise else {}))  # another scale: say so
+                   | ({"feature_noise": cfg.feature_noise} if cfg.feature_noise else {})
+                   | ({"reveal": cfg.reveal} if cfg.reveal else {}))  # another scale: say so
         progress(step, cfg.steps, t0, f"loss {loss:.3f} acc1 {acc[0]:.2f} acc2 {acc[1]:.2f} chain {run:.2f}",
                  deadline=deadline)  # inf without --minutes: the rate's estimate
         if step % cfg.ckpt_every == 0 and count_shards(data) > n_shards:

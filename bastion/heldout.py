@@ -116,21 +116,23 @@ def chain_lengths(drafter: DFlashDrafter, target: Target, rec: dict, per_call: i
 
 @torch.inference_mode()
 def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call: int = 16,
-         block: int | None = None) -> tuple[list[int], list[list[bool]], list[tuple[list, list]]]:
+         block: int | None = None, refine: int = 0) -> tuple[list[int], list[list[bool]], list[tuple[list, list]]]:
     """:func:`chain_lengths`' lengths and hits, and with ``k`` > 0 also, per anchor, the drafter's
     top-k log q of each depth 1..B'−1 and their token ids ([B'−1][k] lists each, as the engine's
-    ``expansion.topk_tensors`` gives them) for ``simulate.tree_lengths`` — one drafter pass for both."""
+    ``expansion.topk_tensors`` gives them) for ``simulate.tree_lengths`` — one drafter pass for both.
+    ``refine`` r: r more passes per block, as a decoding round's ``DFlashDrafter.draft(refine=r)``."""
     from .distill import block_mask  # the training-time packing of several blocks into one row
     from .expansion import topk_tensors
 
     ids, P, B = rec["ids"], rec["prompt_len"], block or drafter.block_size
-    if not 2 <= B <= drafter.block_size:
-        raise ValueError(f"block must be in [2, {drafter.block_size}], got {B}")
+    if not 2 <= B <= drafter.block_size or not 0 <= refine < B - 1:
+        raise ValueError(f"block must be in [2, {drafter.block_size}] and refine in [0, block − 2], got {B}, {refine}")
     n = len(ids)
     dt = drafter.fc.weight.dtype
     feats = rec["feats"].to(dt)[None]
     ctx_kv = drafter.context_kv(feats, torch.arange(n)[None])
     valid = torch.ones(1, n, dtype=torch.bool)
+    vocab = drafter.draft_vocab
     lengths, hits, lists = [], [], []
     anchors = list(range(P - 1, n - 1))
     for c0 in range(0, len(anchors), per_call):
@@ -140,16 +142,19 @@ def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call
         for j, a in enumerate(A):
             block[0, j * B] = ids[a]
             pos[0, j * B:(j + 1) * B] = torch.arange(a, a + B)
-        h = drafter.blocks(target.embed(block).to(dt), pos, ctx_kv, block_mask(valid, torch.tensor([A]), B, dt))
-        h = h.view(len(A), B, -1)[:, 1:].reshape(len(A) * (B - 1), -1)
-        vocab = drafter.draft_vocab
-        h = h.to(target.dtype)
-        # the head as a decoding round multiplies it (drafter.draft): same rows, same precision
-        logits = target.lm_head(h, vocab, drafter.low_precision) if vocab is not None else target.lm_head(h)
-        pred = logits.argmax(-1)
-        if vocab is not None:
-            pred = vocab[pred]
-        pred = pred.view(len(A), B - 1).tolist()
+        logits = pred = None
+        for i in range(refine + 1):  # pass i + 1 reveals the i tokens drafted so far (i = 0: the plain draft)
+            if i:
+                block.view(len(A), B)[:, i] = pred[:, i - 1]
+            h = drafter.blocks(target.embed(block).to(dt), pos, ctx_kv, block_mask(valid, torch.tensor([A]), B, dt))
+            h = h.view(len(A), B, -1)[:, 1:].reshape(len(A) * (B - 1), -1).to(target.dtype)
+            # the head as a decoding round multiplies it (drafter.draft): same rows, same precision
+            out = (target.lm_head(h, vocab, drafter.low_precision) if vocab is not None else target.lm_head(h))
+            out = out.view(len(A), B - 1, -1)
+            logits = out if logits is None else torch.cat([logits[:, :i], out[:, i:]], dim=1)
+            pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+        logits = logits.reshape(len(A) * (B - 1), -1)
+        pred = pred.tolist()
         if k > 0:
             vals, tops = topk_tensors(torch.log_softmax(logits.float(), -1), k, vocab)
             lists += zip(vals.view(len(A), B - 1, -1).tolist(), tops.view(len(A), B - 1, -1).tolist())
@@ -190,9 +195,9 @@ def _confidence_bin(p: float) -> int:
 
 
 def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths: int = 8, datastore=None,
-             block: int | None = None, by_confidence: bool = False, trees: tuple[int, ...] = ()) -> dict:
+             block: int | None = None, by_confidence: bool = False, trees: tuple[int, ...] = (), refine: int = 0) -> dict:
     """Per category and overall: per-depth accuracy, mean chain length, simulated τ (chain, lookup,
-    both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`.
+    both; with a datastore also datastore and all). ``block``: see :func:`chain_lengths`; ``refine``: :func:`scan`.
 
     ``trees``: also τ of decoders whose rounds verify the drafter's best-first tree of N nodes
     (``simulate.tree_lengths``), as ``fixed:N``, and with a datastore ``cond:N`` with each node's children
@@ -207,7 +212,8 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
     depths = min(depths, (block or drafter.block_size) - 1)
     n_bins = len(CONFIDENCE_EDGES) - 1
     for rec in records:
-        lengths, hits, lists = scan(drafter, target, rec, k=max([*trees, 8]) if trees else 0, block=block)
+        lengths, hits, lists = scan(drafter, target, rec, k=max([*trees, 8]) if trees else 0, block=block,
+                                    refine=refine)
         conf = greedy_confidence(target, rec, drafter.cfg.target_layer_ids[-1]) if by_confidence else []
         sims = simulations(rec, lengths, lists, datastore, trees)
         for name in (rec["category"], "all"):
@@ -265,6 +271,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter-linear", choices=(*MODES, "auto"), default="auto",
                     help="the drafter's products: auto (default) times bf16 against float32 panels as the "
                          "engine's probe does and keeps its choice, so the proposals scored are the engine's")
+    ap.add_argument("--refine", type=int, default=0,
+                    help="refinement passes per block (the engine's GenerationConfig.refine): pass i + 1 redrafts "
+                         "the depths after the i tokens drafted so far, revealed in place of their masks")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -348,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
     else:
         records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
+    if not 0 <= a.refine < (a.block or drafter.block_size) - 1:
+        ap.error(f"--refine must be in [0, {(a.block or drafter.block_size) - 2}] for these blocks")
     res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence,
-                   trees=a.trees)
+                   trees=a.trees, refine=a.refine)
     if a.json:
         print(json.dumps(res))
     else:

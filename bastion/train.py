@@ -146,6 +146,10 @@ def _fit_command(sub) -> argparse.ArgumentParser:
     f.add_argument("--feature-noise", type=float, default=0.0,
                    help="σ of Gaussian noise on the context features, relative to each feature layer's RMS "
                         "per token (a regulariser; 0 = none)")
+    f.add_argument("--reveal", type=float, default=0.0,
+                   help="share in [0, 1] of blocks whose first j masks hold the true tokens (no loss there; j >= 1, "
+                        "P(j) ~ 1/j): teaches the drafter to read drafted tokens, for the engine's refine passes. "
+                        "The logged chain length counts such a block's chain as ending at its first revealed depth")
     f.add_argument("--add-feature-layers", default=None,
                    help="comma-separated target layers to read beyond the data's feature layers (later ones, e.g. "
                         "the last); computed per batch from the last stored layer. With --init the drafter's fc "
@@ -194,7 +198,7 @@ def _fit_config(a: argparse.Namespace) -> FitConfig:
                     block=a.block, blocks=ints(a.blocks, "--blocks", "integers"), gamma=a.gamma,
                     ckpt_every=a.ckpt_every, export=a.export, seed=a.seed, bf16=not a.no_bf16,
                     loss_depths=a.loss_depths, init=a.init, draft_vocab=a.draft_vocab or None,
-                    live=a.live_features, kd=a.kd, accept=a.accept, feature_noise=a.feature_noise,
+                    live=a.live_features, kd=a.kd, accept=a.accept, feature_noise=a.feature_noise, reveal=a.reveal,
                     add_feature_layers=ints(a.add_feature_layers, "--add-feature-layers", "layer ids"))
     cfg.validate()
     return cfg

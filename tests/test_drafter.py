@@ -282,12 +282,13 @@ def test_live_features_equal_stored_ones_and_batch_layout():
             assert stored.labels[i, 3 * j:3 * j + 3].tolist() == want + [-100] * (3 - len(want))
 
 
-def _reference_draft(d, target, feats, root):
-    """What a draft must return: the training-time forward (context_kv + blocks) over all features."""
+def _reference_draft(d, target, feats, root, revealed=()):
+    """What a draft must return: the training-time forward (context_kv + blocks) over all features,
+    of the block [root, *revealed, MASK, ...]."""
     n = feats.shape[0]
     ctx_kv = d.context_kv(feats[None], torch.arange(n)[None])
     ids = torch.full((1, d.block_size), d.cfg.mask_token_id)
-    ids[0, 0] = root
+    ids[0, :1 + len(revealed)] = torch.tensor([root, *revealed])
     hidden = d.blocks(target.embed(ids), torch.arange(n, n + d.block_size)[None], ctx_kv)[0, 1:]
     return torch.log_softmax(target.lm_head(hidden).float(), dim=-1)  # a draft's log q is float32
 
@@ -320,6 +321,39 @@ def test_deferred_context_equals_eager_and_training_forward(split):
     lazy.defer(more)
     assert torch.allclose(d.draft(lazy, 5, target.embed, target.lm_head),
                           _reference_draft(d, target, torch.cat([feats, more]), 5), atol=1e-5)
+
+
+@pytest.mark.parametrize("refine,vocab", [(1, False), (2, False), (1, True)])
+def test_a_refined_draft_redrafts_the_depths_after_the_revealed_argmax(refine, vocab):
+    """draft(refine=r): pass i + 1 is the training forward over the block with the argmax of depths
+    1..i so far in place of their masks, and gives depths i+1..; the context is encoded once
+    (pending features enter in the first pass, the cache ends as a plain draft leaves it)."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    d = tiny_drafter(target, layers=2)
+    if vocab:
+        d.set_draft_vocab(torch.arange(3, 60, 2))
+    feats = torch.randn(6, 2 * target.hidden_size, dtype=torch.float64)
+    plain, refined = d.new_cache(), d.new_cache()
+    for c in (plain, refined):
+        d.extend_cache(c, feats[:4])
+        c.defer(feats[4:])
+    first = d.draft(plain, 3, target.embed, target.lm_head)
+    out = d.draft(refined, 3, target.embed, target.lm_head, refine=refine)
+    rows = d.draft_vocab if vocab else torch.arange(target.vocab_size)
+    ref = first
+    for i in range(1, refine + 1):
+        nxt = _reference_draft(d, target, feats, 3, rows[ref[:i].argmax(-1)].tolist())
+        if vocab:
+            nxt = torch.log_softmax(nxt[:, rows], -1)  # the draft vocabulary's columns, renormalised
+        ref = torch.cat([ref[:i], nxt[i:]])
+    assert torch.allclose(out[:1], first[:1], atol=1e-9)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert not torch.allclose(out[1:], first[1:], atol=1e-3)  # the revealed tokens mattered
+    assert refined.pending == [] and refined.encoded == plain.encoded == 6
+    for k1, k2 in zip(plain.keys, refined.keys):
+        assert torch.allclose(k1, k2, atol=1e-12)
+    with pytest.raises(ValueError, match="refine must be in"):
+        d.draft(refined, 3, target.embed, target.lm_head, depth=2, refine=2)
 
 
 def test_cache_crop_covers_pending():

@@ -51,6 +51,31 @@ def test_teacher_forced_chain_equals_the_engines_chain_rounds():
     assert tau["datastore"] > tau["chain"] + 0.5 and tau["all"] >= max(tau["both"], tau["datastore"]) - 1e-9
 
 
+def test_teacher_forced_refined_drafts_equal_the_engines_refined_chain_rounds():
+    """heldout.scan(refine=r) drafts at every anchor what a chain round with GenerationConfig.refine = r
+    drafts there: the same tokens at every depth (and r = 0 differs: the passes are not idle)."""
+    from bastion.heldout import scan
+
+    target = tiny_target("llama", dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = [3, 5, 7, 11]
+    engine = Engine(target, drafter, kernels="torch", stop_ids=set())
+    steps = list(engine.generate(prompt, GenerationConfig(strategy="chain", max_new_tokens=30, refine=2)))
+    ids = prompt + [t for s in steps for t in s.tokens]
+    target.set_feature_layers(drafter.cfg.target_layer_ids)
+    feats = target.batch_features(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+    rec = {"category": "x", "ids": ids, "prompt_len": len(prompt), "feats": feats}
+    _, _, refined = scan(drafter, target, rec, k=1, refine=2)
+    _, _, plain = scan(drafter, target, rec, k=1)
+    changed = 0
+    for s in steps:
+        at = s.context_len - 1 - (len(prompt) - 1)  # the root's anchor index
+        engine_tokens = [row[0] for row in s.draft_ids]
+        assert [row[0] for row in refined[at][1]][:len(engine_tokens)] == engine_tokens, s.index
+        changed += [row[0] for row in plain[at][1]][:len(engine_tokens)] != engine_tokens
+    assert changed > 0
+
+
 def test_datastore_lengths_count_matching_proposed_tokens():
     from bastion.datastore import Datastore
     from bastion.simulate import datastore_lengths

@@ -55,6 +55,30 @@ def test_real_random_drafter_float32():
         assert engine.run(prompt, GenerationConfig(strategy=strategy, max_new_tokens=16)).token_ids == ref
 
 
+def test_refined_drafts_stay_lossless_greedy_and_sampled():
+    """Refinement passes (GenerationConfig.refine) change what is drafted, never what is emitted: greedy
+    output is AR's, and at T = 1 every strategy draws AR's tokens from the same seed."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    engine = Engine(target, tiny_drafter(target, block_size=8, layers=2), kernels="torch", stop_ids=set())
+    prompt = [1, 2, 3, 4, 5]
+    for temperature in (0.0, 1.0):
+        ref = engine.run(prompt, GenerationConfig(strategy="ar", max_new_tokens=16, temperature=temperature,
+                                                  seed=3)).token_ids
+        for strategy in ("chain", "fixed", "bastion"):
+            for refine in (1, 3, 9):  # 9 > the block's depths: as many as a draft allows
+                cfg = GenerationConfig(strategy=strategy, max_new_tokens=16, temperature=temperature, seed=3,
+                                       refine=refine)
+                assert engine.run(prompt, cfg).token_ids == ref, (strategy, refine, temperature)
+    passes, inner = [], engine.drafter._pass
+    engine.drafter._pass = lambda *a, **k: passes.append(1) or inner(*a, **k)
+    res = engine.run(prompt, GenerationConfig(strategy="chain", max_new_tokens=16, refine=3))
+    assert len(passes) == 4 * res.steps  # the first pass and three refinements every round
+    with pytest.raises(ValueError, match="refine"):
+        engine.run(prompt, GenerationConfig(strategy="ar", refine=1))
+    with pytest.raises(ValueError, match="refine"):
+        engine.run(prompt, GenerationConfig(strategy="chain", refine=-1))
+
+
 def test_stop_tokens_and_context_limit():
     target = tiny_target("llama", dtype=torch.float64, max_positions=40)
     prompt = [4, 8, 15]

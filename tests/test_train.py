@@ -938,7 +938,7 @@ def test_feature_noise_is_scaled_per_layer_and_drawn_from_its_seed():
 
 def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
     """fit --feature-noise σ: the loss of the same batch stream moves (the features differ), the log
-    says the scale, and a σ outside [0, 10] is refused before anything loads."""
+    says the scale, and a σ outside [0, 10] is refused before anything loads; --reveal likewise."""
     from bastion.train import main
 
     with pytest.raises(SystemExit):
@@ -957,6 +957,15 @@ def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
     plain, noisy = losses("0"), losses("0.5")
     assert "feature_noise" not in plain[0] and noisy[0]["feature_noise"] == 0.5
     assert abs(plain[0]["loss"] - noisy[0]["loss"]) > 1e-4
+    # fit --reveal: revealed prefixes (distill.reveal_prefixes) in the same stream; a share outside [0, 1] refused
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "x", "--ckpt", "y", "--reveal", "1.5"])
+    assert "--reveal 1.5" in capsys.readouterr().err
+    ckpt = tmp_path / "ckpt-reveal"
+    assert main(["fit", "--data", str(data), "--ckpt", str(ckpt), "--rows", "2", "--anchors", "4", "--block", "6",
+                 "--loss-depths", "3", "--steps", "3", "--no-bf16", "--reveal", "0.5"] + common) == 0
+    log = [json.loads(x) for x in (ckpt / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and all(row["reveal"] == 0.5 and row["loss"] == row["loss"] for row in log)  # not NaN
     # ids-only data (the GPU recipe): the target's live features are noised too — the batch carries no
     # features until the target computes them, which once reached the noise as None and crashed
     ids = tmp_path / "ids"
@@ -967,6 +976,41 @@ def test_fit_trains_on_noisy_features_and_rejects_a_bad_sigma(tmp_path, capsys):
                  "--loss-depths", "3", "--steps", "3", "--no-bf16", "--feature-noise", "0.5"] + common) == 0
     live_log = [json.loads(x) for x in (live / "log.jsonl").read_text().splitlines()]
     assert live_log[0]["feature_noise"] == 0.5 and abs(live_log[0]["loss"] - noisy[0]["loss"]) < 1e-3
+
+
+def test_reveal_prefixes_put_labels_in_place_of_masks_and_drop_them():
+    """distill.reveal_prefixes: a revealed block is [x_a, y_1..y_j, MASK...] with y its labels, which
+    are then dropped; blocks whose prefix labels are not all kept stay as they were; share 0 changes
+    nothing, and the draw follows the batch stream's generator."""
+    import random
+
+    from bastion.distill import Batch, reveal_prefixes
+
+    r, A, B, mask = 3, 40, 6, 99
+    rng = random.Random(0)
+    labels = torch.tensor([[rng.randrange(50) for _ in range(A * (B - 1))] for _ in range(r)])
+    labels[0, 0] = -100  # block 0 of row 0: depth 1 lost, so nothing may be revealed there
+    block_ids = torch.full((r, A, B), mask)
+    block_ids[:, :, 0] = 7
+    batch = Batch(None, torch.ones(r, 9, dtype=torch.bool), block_ids.view(r, A * B), torch.zeros(r, A * B),
+                  labels, torch.zeros(r, A, dtype=torch.long), torch.zeros(r, 9, dtype=torch.long))
+    assert reveal_prefixes(batch, 0.0, random.Random(1)) is batch
+    out = reveal_prefixes(batch, 0.6, random.Random(1))
+    again = reveal_prefixes(batch, 0.6, random.Random(1))
+    assert torch.equal(out.block_ids, again.block_ids) and torch.equal(out.labels, again.labels)
+    ids, lab, old = out.block_ids.view(r, A, B), out.labels.view(r, A, B - 1), labels.view(r, A, B - 1)
+    js = []
+    for i in range(r):
+        for a in range(A):
+            j = int((ids[i, a, 1:] != mask).sum())
+            js.append(j)
+            assert ids[i, a, 0] == 7 and (ids[i, a, 1 + j:] == mask).all()  # a prefix, nothing else
+            assert torch.equal(ids[i, a, 1:1 + j], old[i, a, :j])           # the labels, revealed
+            assert (lab[i, a, :j] == -100).all() and torch.equal(lab[i, a, j:], old[i, a, j:])
+    assert js[0] == 0 and max(js) <= B - 2
+    revealed = sum(j > 0 for j in js) / len(js)
+    assert 0.4 < revealed < 0.8 and js.count(1) > js.count(B - 2)  # the share, and P(j) ∝ 1/j
+    assert torch.equal(batch.labels, labels)  # the input batch is left alone
 
 
 def test_fit_trains_in_float32_on_a_cpu_without_amx(tmp_path, capsys, monkeypatch):
