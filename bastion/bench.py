@@ -78,7 +78,7 @@ class Strategy:
     couple: bool = True      # noise-coupled drafting at T > 0 (coupling.py); 'NAME:nocouple' leaves it out
     draft: bool = True       # 'bastion:copies' never drafts: prompt lookup and the datastore alone
     drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
-    refine: int = 0          # 'NAME:refineN' (N = 1 without a number): N refinement passes per draft (DFlashDrafter.draft)
+    refine: int | None = None  # 'NAME:refineN' (N = 1 without a number): N refinement passes per draft; None: the drafter's
 
     def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
         return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
@@ -116,9 +116,9 @@ def _strategy(name: str) -> Strategy:
             raise BenchError(f"strategy {name!r}: only drafting strategies run on --drafter-b")
         return replace(s, name=f"{s.name}@b", drafter_b=True)
     for suffix, attr, what in ((":nopad", "pad_rows", "pad their trees"), (":nocouple", "couple", "draft coupled"),
-                               (":refine", "refine", "refine")):  # :refineN: N passes (:refine one)
+                               (":refine", "refine", "refine")):  # :refineN: N passes (:refine one, :refine0 none)
         base, found, n = name.rpartition(suffix)
-        if found and base and (n == "" or (attr == "refine" and n.isascii() and n.isdigit() and int(n) > 0)):
+        if found and base and (n == "" or (attr == "refine" and n.isascii() and n.isdigit())):
             s = _strategy(base)
             if s.kind in ("hf", "ar") or (attr == "refine" and not s.draft):
                 raise BenchError(f"strategy {name!r}: only drafting strategies {what}")

@@ -38,7 +38,7 @@ class GenerationConfig:
     adaptive_depth: bool = True  # bastion: draft only the depths recent trees reach, see DraftDepth
     couple: bool = True      # drafting strategies at T > 0: rank candidates by the target's own Gumbel draws, see coupling.py
     node_cost: bool = False  # price the host's build + commit time per tree node in the throughput rule (hostcost.py)
-    refine: int = 0          # drafting strategies: redraft depths > r with the first r drafted tokens revealed (DFlashDrafter.draft)
+    refine: int | None = None  # drafting strategies: refinement passes per draft (DFlashDrafter.draft); None: the drafter's own
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -51,7 +51,7 @@ class GenerationConfig:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if not self.draft and self.strategy != "bastion":
             raise ValueError(f"draft=False (the copy sources alone) needs strategy 'bastion', got {self.strategy!r}")
-        if self.refine < 0 or (self.refine and self.strategy == "ar"):
+        if self.refine is not None and (self.refine < 0 or (self.refine and self.strategy == "ar")):
             raise ValueError(f"refine must be >= 0, and only drafting strategies refine, got {self.refine} with {self.strategy!r}")
         if self.lookup_ngram < 1 or self.lookup_tokens < 1:
             raise ValueError(f"lookup_ngram and lookup_tokens must be >= 1, got {self.lookup_ngram}, {self.lookup_tokens}")

@@ -76,6 +76,15 @@ class DraftDepth:
             self.sizes.popleft()
 
 
+def refine_passes(cfg, drafter) -> int:
+    """A request's refinement passes per draft (``DFlashDrafter.draft(refine=…)``): ``cfg.refine``, or
+    when that is None the drafter's own ``refine_passes`` (its config.json: what it was trained and
+    measured for; 0 for drafters without the key, such as published DFlash checkpoints)."""
+    if cfg.refine is not None:
+        return cfg.refine
+    return int(getattr(getattr(drafter, "cfg", None), "refine_passes", 0) or 0)
+
+
 def depth_policy(cfg, drafter) -> DraftDepth:
     """A request's :class:`DraftDepth`: adaptive for Bastion (unless ``cfg.adaptive_depth`` is off),
     else fixed at the block's B − 1 depths (``fixed``: at most its budget; no drafter: 1)."""

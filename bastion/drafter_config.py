@@ -35,6 +35,7 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     draft_vocab_size: int | None = None  # Bastion extension: draft over a subset of the vocabulary
+    refine_passes: int = 0  # Bastion extension: the engine's default refinement passes (DFlashDrafter.draft)
     extra: dict = field(default_factory=dict)
 
     def to_hf_dict(self) -> dict:
@@ -53,6 +54,8 @@ class DrafterConfig:
         )
         if self.draft_vocab_size:
             d["draft_vocab_size"] = self.draft_vocab_size
+        if self.refine_passes:
+            d["refine_passes"] = self.refine_passes
         return d
 
     @classmethod
@@ -66,7 +69,7 @@ class DrafterConfig:
             known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
                      "max_position_embeddings", "block_size", "num_target_layers", "dflash_config",
-                     "draft_vocab_size"}
+                     "draft_vocab_size", "refine_passes"}
             return cls(
                 hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
                 num_hidden_layers=n_layers, num_attention_heads=int(d["num_attention_heads"]),
@@ -78,6 +81,7 @@ class DrafterConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 draft_vocab_size=int(d["draft_vocab_size"]) if d.get("draft_vocab_size") else None,
+                refine_passes=int(d.get("refine_passes", 0)),
                 extra={k: v for k, v in d.items() if k not in known},
             )
         except (KeyError, TypeError, ValueError) as exc:

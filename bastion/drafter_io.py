@@ -77,6 +77,8 @@ def check_compatible(cfg: DrafterConfig, target_hidden: int, target_vocab: int, 
         raise ValueError(f"drafter block_size {cfg.block_size} must be at least 2")
     if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= target_vocab:
         raise ValueError(f"drafter draft_vocab_size {cfg.draft_vocab_size} outside [1, {target_vocab}]")
+    if not 0 <= cfg.refine_passes <= cfg.block_size - 2:
+        raise ValueError(f"drafter refine_passes {cfg.refine_passes} outside [0, block_size − 2 = {cfg.block_size - 2}]")
 
 
 def load_drafter(name_or_path, target_hidden: int, target_vocab: int, target_layers: int,

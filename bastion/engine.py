@@ -18,7 +18,7 @@ from .coupling import DraftNoise, coupled_logq
 from .drafter import DFlashDrafter
 from .drafter_ops import request_vocab, widen_vocab
 from .datastore import NgramPrior
-from .draft_policy import DraftGate, depth_policy, plain_rate
+from .draft_policy import DraftGate, depth_policy, plain_rate, refine_passes
 from .expansion import (BudgetRule, Expansion, Rerank, best_first_from_topk, chain_from_topk, extend_with_copy,
                         topk_tensors)
 from .kernels import get_kernels
@@ -283,8 +283,8 @@ class Engine:
         calibrated to log g(q) for ranking, on the host as lists."""
         cfg, limit = req.cfg, self.target.max_positions
         with self.timer(times, "draft"):
-            depth = req.depth.depth()  # refine only when asked: a duck-typed drafter need not know the word
-            more = {"refine": min(cfg.refine, depth - 1)} if cfg.refine and depth > 1 else {}
+            depth, refine = req.depth.depth(), refine_passes(cfg, self.drafter)  # (a duck-typed drafter
+            more = {"refine": min(refine, depth - 1)} if refine and depth > 1 else {}  # need not know the word)
             logq = self.drafter.draft(req.dcache, req.root, self.target.embed, self.target.lm_head, req.vocab, depth, **more)
             # never draft past the context limit; one host transfer of the top-k lists
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]

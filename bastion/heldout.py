@@ -271,9 +271,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter-linear", choices=(*MODES, "auto"), default="auto",
                     help="the drafter's products: auto (default) times bf16 against float32 panels as the "
                          "engine's probe does and keeps its choice, so the proposals scored are the engine's")
-    ap.add_argument("--refine", type=int, default=0,
-                    help="refinement passes per block (the engine's GenerationConfig.refine): pass i + 1 redrafts "
-                         "the depths after the i tokens drafted so far, revealed in place of their masks")
+    ap.add_argument("--refine", type=int, default=None,
+                    help="refinement passes per block (the engine's GenerationConfig.refine; default the drafter's "
+                         "own refine_passes): pass i + 1 redrafts the depths after the i tokens drafted so far, "
+                         "revealed in place of their masks")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -357,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
     else:
         records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
-    if not 0 <= a.refine < (a.block or drafter.block_size) - 1:
+    refine = drafter.cfg.refine_passes if a.refine is None else a.refine
+    if not 0 <= refine < (a.block or drafter.block_size) - 1:
         ap.error(f"--refine must be in [0, {(a.block or drafter.block_size) - 2}] for these blocks")
+    print(f"[heldout] refinement passes per block: {refine}", file=sys.stderr)
     res = evaluate(drafter, target, records, datastore=datastore, block=a.block, by_confidence=a.by_confidence,
-                   trees=a.trees, refine=a.refine)
+                   trees=a.trees, refine=refine)
     if a.json:
         print(json.dumps(res))
     else:

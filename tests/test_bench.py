@@ -184,9 +184,11 @@ def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     assert [s.drafter_b for s in found.values()] == [False, False, True, True, True]
     assert found["fixed:8@b"].budget == 8 and not found["bastion:nods:nopad@b"].datastore
     assert not found["bastion:nods:nopad@b"].pad_rows
-    refined = {s.name: s for s in bench.parse_strategies("chain:refine,chain:refine3,bastion:nods:refine@b")}
+    refined = {s.name: s for s in bench.parse_strategies("chain,chain:refine,chain:refine3,chain:refine0,"
+                                                          "bastion:nods:refine@b")}
     assert refined["chain:refine"].refine == 1 and refined["chain:refine"].config(8, 0.0, 0).refine == 1
-    assert refined["chain:refine3"].config(8, 0.0, 0).refine == 3
+    assert refined["chain:refine3"].config(8, 0.0, 0).refine == 3 and refined["chain:refine0"].refine == 0
+    assert refined["chain"].config(8, 0.0, 0).refine is None  # the drafter's own passes
     assert refined["bastion:nods:refine@b"].refine == 1 and not refined["bastion:nods:refine@b"].datastore
     with pytest.raises(ValueError, match="need engine_b"):
         bench.run_suite(Engine.__new__(Engine), [bench.PromptCase("chat", 0, "x", [1])],
@@ -207,7 +209,6 @@ def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     (["--strategies", "hf_generate:nopad"], "only drafting strategies"),
     (["--strategies", "fixed:0:nopad"], "positive integer"),
     (["--strategies", "ar:refine"], "only drafting strategies refine"),
-    (["--strategies", "chain:refine0"], "unknown strategy"),
     (["--strategies", "chain:refinex"], "unknown strategy"),
     (["--strategies", "bastion:copies:refine"], "only drafting strategies refine"),
     (["--repeats", "0"], "--repeats"),

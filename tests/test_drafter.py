@@ -30,6 +30,13 @@ def test_save_load_round_trip_is_exact(tmp_path):
     d.extend_cache(cache_a, feats)
     back.extend_cache(cache_b, feats)
     assert torch.equal(d.draft(cache_a, 3, target.embed, target.lm_head), back.draft(cache_b, 3, target.embed, target.lm_head))
+    # the refinement passes a drafter ships with (a Bastion key; absent, as in published checkpoints: 0)
+    assert "refine_passes" not in json.loads((tmp_path / "d" / "config.json").read_text())
+    assert back.cfg.refine_passes == 0
+    d.cfg.refine_passes = 2
+    save_drafter(d, tmp_path / "d2")
+    assert json.loads((tmp_path / "d2" / "config.json").read_text())["refine_passes"] == 2
+    assert load_for(target, tmp_path / "d2").cfg.refine_passes == 2
 
 
 def test_a_failed_save_leaves_the_old_folder_and_no_leftovers(tmp_path, monkeypatch):
@@ -90,7 +97,7 @@ def test_dflash_checkpoint_layout_runs_all_strategies(tmp_path):
 
 @pytest.mark.parametrize("field,value,msg", [
     ("hidden_size", 48, "hidden_size"), ("vocab_size", 1000, "vocab"), ("target_layer_ids", [0, 99], "out of range"),
-    ("mask_token_id", 10**6, "mask_token_id")])
+    ("mask_token_id", 10**6, "mask_token_id"), ("refine_passes", 99, "refine_passes")])
 def test_mismatched_config_is_named(tmp_path, field, value, msg):
     target = tiny_target("qwen3", dtype=torch.float32)
     save_drafter(tiny_drafter(target), tmp_path / "d")

@@ -73,6 +73,14 @@ def test_refined_drafts_stay_lossless_greedy_and_sampled():
     engine.drafter._pass = lambda *a, **k: passes.append(1) or inner(*a, **k)
     res = engine.run(prompt, GenerationConfig(strategy="chain", max_new_tokens=16, refine=3))
     assert len(passes) == 4 * res.steps  # the first pass and three refinements every round
+    # refine=None (the default) takes the drafter's own passes (its config's refine_passes); 0 turns them off
+    engine.drafter.cfg.refine_passes = 2
+    passes.clear()
+    res = engine.run(prompt, GenerationConfig(strategy="chain", max_new_tokens=16))
+    assert len(passes) == 3 * res.steps and res.token_ids == hf_greedy(target, prompt, 16)[len(prompt):]
+    passes.clear()
+    res = engine.run(prompt, GenerationConfig(strategy="chain", max_new_tokens=16, refine=0))
+    assert len(passes) == res.steps
     with pytest.raises(ValueError, match="refine"):
         engine.run(prompt, GenerationConfig(strategy="ar", refine=1))
     with pytest.raises(ValueError, match="refine"):
