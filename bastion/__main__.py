@@ -48,6 +48,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--no-couple", action="store_true",
                    help="T > 0: rank draft candidates by the drafter's q alone, not also by the target's own "
                         "Gumbel draws (coupled drafting, bastion/coupling.py; the output is the same either way)")
+    g.add_argument("--refine", type=int, default=None,
+                   help="refinement passes per draft: pass i + 1 redrafts the depths after the i tokens drafted so "
+                        "far (default: the drafter's own refine_passes, 0 for the shipped one; DFlashDrafter.draft)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to plain greedy decoding); > 0 samples exactly as the target")
@@ -74,7 +77,8 @@ def _checked_config(a) -> GenerationConfig:
                            skip_draft=not a.no_skip_draft, draft=not a.no_draft, lookup=not a.no_lookup,
                            datastore=not a.no_datastore, condition=not a.no_condition,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
-                           adaptive_depth=not a.full_depth, node_cost=a.node_cost, couple=not a.no_couple)
+                           adaptive_depth=not a.full_depth, node_cost=a.node_cost, couple=not a.no_couple,
+                           refine=a.refine)
     try:
         cfg.validate()
     except ValueError as exc:

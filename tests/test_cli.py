@@ -23,6 +23,8 @@ def cli(*args, timeout=600):
     (["--prompt", "hi", "--model", "/no/such/model"], "neither a local folder"),
     (["--prompt", "hi", "--kernels", "cuda"], "kernel backend"),
     (["--prompt", "hi", "--device", "gpu0"], "unknown device"),
+    (["--prompt", "hi", "--refine", "-1"], "refine must be >= 0"),
+    (["--prompt", "hi", "--strategy", "ar", "--refine", "2"], "only drafting strategies refine"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, msg, tmp_path):
     trace = tmp_path / "t.jsonl"
