@@ -279,7 +279,7 @@ class Engine:
                         text=TextStream(target.tokenizer.decode, prompt_ids) if target.tokenizer is not None else None)
 
     def _draft(self, req: Request, times: StageTimes) -> Draft:
-        """One drafter forward over [root, MASK × D] (two with ``cfg.refine``): the top-k of each depth's marginal log q (D, k),
+        """One drafter forward over [root, MASK × D] (plus its refinement passes): the top-k of each depth's log q (D, k),
         calibrated to log g(q) for ranking, on the host as lists."""
         cfg, limit = req.cfg, self.target.max_positions
         with self.timer(times, "draft"):
