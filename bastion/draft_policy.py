@@ -79,7 +79,8 @@ class DraftDepth:
 def refine_passes(cfg, drafter) -> int:
     """A request's refinement passes per draft (``DFlashDrafter.draft(refine=…)``): ``cfg.refine``, or
     when that is None the drafter's own ``refine_passes`` (its config.json: what it was trained and
-    measured for; 0 for drafters without the key, such as published DFlash checkpoints)."""
+    measured for; 0 for drafters without the key, such as published DFlash checkpoints). The engine
+    passes ``refine`` only when this is > 0, so drafters whose ``draft`` lacks the parameter still run."""
     if cfg.refine is not None:
         return cfg.refine
     return int(getattr(getattr(drafter, "cfg", None), "refine_passes", 0) or 0)

@@ -283,8 +283,8 @@ class Engine:
         calibrated to log g(q) for ranking, on the host as lists."""
         cfg, limit = req.cfg, self.target.max_positions
         with self.timer(times, "draft"):
-            depth, refine = req.depth.depth(), refine_passes(cfg, self.drafter)  # (a duck-typed drafter
-            more = {"refine": min(refine, depth - 1)} if refine and depth > 1 else {}  # need not know the word)
+            depth, refine = req.depth.depth(), refine_passes(cfg, self.drafter)
+            more = {"refine": min(refine, depth - 1)} if refine and depth > 1 else {}  # asked only when wanted
             logq = self.drafter.draft(req.dcache, req.root, self.target.embed, self.target.lm_head, req.vocab, depth, **more)
             # never draft past the context limit; one host transfer of the top-k lists
             logq = logq[:max(0, min(logq.shape[0], limit - req.committed - 1))]

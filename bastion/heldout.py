@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .draft_policy import refine_passes
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
 from .kernels.cpu_linear import MODES
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
     else:
         records = eval_records(target, drafter.cfg.target_layer_ids, a.cache, prompts_file=a.prompts)
-    refine = drafter.cfg.refine_passes if a.refine is None else a.refine
+    refine = refine_passes(a, drafter)  # --refine, else the drafter's own: what the engine would run
     if not 0 <= refine < (a.block or drafter.block_size) - 1:
         ap.error(f"--refine must be in [0, {(a.block or drafter.block_size) - 2}] for these blocks")
     print(f"[heldout] refinement passes per block: {refine}", file=sys.stderr)
