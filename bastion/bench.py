@@ -33,7 +33,7 @@ import json
 import math
 import shlex
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -42,99 +42,19 @@ import torch
 from tqdm import tqdm
 
 from .drafter_io import precheck_local_drafter
-from .engine import Engine, GenerationConfig
+from .engine import Engine
+from .bench_strategies import BenchError, Strategy, parse_strategies
 from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf, shown_path
 from .kernels import cpu_native
 from .kernels.cpu_linear import MODES
 from .probe import set_drafter_products
 from .report import BenchOutput, Run, load_average, machine_info, markdown, tabulate, write_report
 
-ENGINE_STRATEGIES = ("ar", "chain", "bastion")  # and fixed:N
-HF_BASELINES = ("hf_generate", "hf_prompt_lookup")
 DEFAULT_STRATEGIES = "ar,chain,fixed:16,fixed:32,fixed:64,bastion"
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 
 
-class BenchError(ValueError):
-    """Bad input to the harness: reported in one line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A benchmarked decoder: an engine strategy (``budget`` used by 'fixed') or 'hf' for generate()."""
-
-    name: str
-    kind: str
-    budget: int = 32
-    skip_draft: bool = True  # bastion's draft gate; 'bastion:always' drafts every round (the paper's loop)
-    calibrate: bool = True   # calibrated surrogate; 'bastion:raw' ranks by the drafter's own q
-    lookup: bool = True      # bastion's prompt-lookup branch; 'bastion:nolookup' leaves it out
-    datastore: bool = True   # bastion's datastore branch; 'bastion:nods' leaves it out
-    condition: bool = True   # bastion's n-gram re-weighting of each node's children; 'bastion:nocond' leaves it out
-    pad_rows: bool = True    # row padding (RowPadding); 'NAME:nopad' (bastion:nopad, fixed:16:nopad, ...) runs trees as they are
-    adaptive_depth: bool = True  # bastion's draft depth policy (DraftDepth); 'bastion:fulldepth' drafts the whole block
-    node_cost: bool = False  # 'bastion:nodecost' prices the host's work per tree node (hostcost.py)
-    couple: bool = True      # noise-coupled drafting at T > 0 (coupling.py); 'NAME:nocouple' leaves it out
-    draft: bool = True       # 'bastion:copies' never drafts: prompt lookup and the datastore alone
-    drafter_b: bool = False  # 'NAME@b' runs on the second engine, the one of --drafter-b
-    refine: int | None = None  # 'NAME:refineN' (N = 1 without a number): N refinement passes per draft; None: the drafter's
-
-    def config(self, max_new_tokens: int, temperature: float, seed: int) -> GenerationConfig:
-        return GenerationConfig(strategy=self.kind, budget=self.budget, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed, skip_draft=self.skip_draft,
-                                calibrate=self.calibrate, lookup=self.lookup, datastore=self.datastore,
-                                condition=self.condition, pad_rows=self.pad_rows, adaptive_depth=self.adaptive_depth,
-                                node_cost=self.node_cost, couple=self.couple, draft=self.draft, refine=self.refine)
-
-
-# bastion with one part switched off or changed (what each buys, measured in the same run)
-BASTION_VARIANTS = {"bastion:always": dict(skip_draft=False), "bastion:raw": dict(calibrate=False),
-                    "bastion:nolookup": dict(lookup=False), "bastion:nods": dict(datastore=False),
-                    "bastion:nocond": dict(condition=False),
-                    "bastion:drafter": dict(lookup=False, datastore=False, condition=False),
-                    "bastion:copies": dict(draft=False), "bastion:fulldepth": dict(adaptive_depth=False),
-                    "bastion:nodecost": dict(node_cost=True)}
-
-
-def parse_strategies(text: str, hf_baselines: bool = False) -> list[Strategy]:
-    """'ar,chain,fixed:32,bastion' → strategies, AR first, duplicates dropped; BenchError on a bad name."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise BenchError("--strategies is empty")
-    found: dict[str, Strategy] = {"ar": Strategy("ar", "ar")}
-    for name in names + (list(HF_BASELINES) if hf_baselines else []):
-        s = _strategy(name)
-        found.setdefault(s.name, s)
-    return list(found.values())
-
-
-def _strategy(name: str) -> Strategy:
-    if name.endswith("@b") and name != "@b":
-        s = _strategy(name[:-len("@b")])
-        if s.kind in ("hf", "ar"):
-            raise BenchError(f"strategy {name!r}: only drafting strategies run on --drafter-b")
-        return replace(s, name=f"{s.name}@b", drafter_b=True)
-    for suffix, attr, what in ((":nopad", "pad_rows", "pad their trees"), (":nocouple", "couple", "draft coupled"),
-                               (":refine", "refine", "refine")):  # :refineN: N passes (:refine one, :refine0 none)
-        base, found, n = name.rpartition(suffix)
-        if found and base and (n == "" or (attr == "refine" and n.isascii() and n.isdigit())):
-            s = _strategy(base)
-            if s.kind in ("hf", "ar") or (attr == "refine" and not s.draft):
-                raise BenchError(f"strategy {name!r}: only drafting strategies {what}")
-            return replace(s, name=f"{s.name}{suffix}{n}", **{attr: int(n or 1) if attr == "refine" else False})
-    if name in ENGINE_STRATEGIES:
-        return Strategy(name, name)
-    if name in HF_BASELINES:
-        return Strategy(name, "hf")
-    if name in BASTION_VARIANTS:
-        return Strategy(name, "bastion", **BASTION_VARIANTS[name])
-    kind, _, budget = name.partition(":")
-    if kind == "fixed":
-        if not (budget.isascii() and budget.isdigit() and int(budget) > 0):
-            raise BenchError(f"strategy {name!r}: the budget must be a positive integer, as in fixed:32")
-        return Strategy(f"fixed:{int(budget)}", "fixed", int(budget))
-    raise BenchError(f"unknown strategy {name!r}; choose from ar, chain, fixed:N, bastion, {', '.join(BASTION_VARIANTS)}, {', '.join(HF_BASELINES)} (drafting ones may end in :nopad, :nocouple or :refineN, and then in @b)")
 
 
 @dataclass(frozen=True)
@@ -254,6 +174,8 @@ def add_parser(sub) -> None:
                    "alone), bastion:nodecost (the host's build + commit "
                    "time per tree node priced in the throughput rule), bastion:fulldepth (drafts the whole "
                    "block every round); "
+                   "a bastion name ending in :minN grows at least N draft nodes a round, the gate off (the trees "
+                   "of a host where verification is cheap); "
                    "a drafting name ending in :nopad verifies trees without row padding, one ending in @b "
                    "decodes with --drafter-b")
     b.add_argument("--hf-baselines", action="store_true",

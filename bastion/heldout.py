@@ -12,7 +12,8 @@ context a decoding round has — and compares with the reply:
   (DFlash), prompt lookup alone (lookup.NgramIndex), a tree holding both (a round accepts the longer
   of the two matches), the datastore alone (datastore.Datastore, when the drafter folder has one) and
   a tree holding all three, and with ``--trees N,...`` the drafter's best-first trees of N nodes (plain
-  and re-weighted per parent by the datastore's n-grams). Measured τ of ``chain`` in the benchmark
+  and re-weighted per parent by the datastore's n-grams; ``all:N`` adds the two copy branches: Bastion's
+  tree at that size, the proxy for its τ where the host lets trees grow). Measured τ of ``chain`` in the benchmark
   should match the first.
 
 All of it is cheap next to a benchmark (one drafter forward per 16 positions) and deterministic.
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .draft_policy import refine_passes
+from .config import GenerationConfig
 from .drafter import DFlashDrafter
 from .drafter_io import load_drafter
 from .kernels.cpu_linear import MODES
@@ -169,6 +171,7 @@ def scan(drafter: DFlashDrafter, target: Target, rec: dict, k: int = 0, per_call
 
 #: edges of the target-confidence bins of ``evaluate(by_confidence=True)``; the last bin holds 1.0
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+MAX_TREE = GenerationConfig.max_nodes  # --trees sizes up to the engine's own largest tree
 
 
 @torch.no_grad()  # not inference mode: Target.layers_from's attention keeps version counters
@@ -202,7 +205,8 @@ def evaluate(drafter: DFlashDrafter, target: Target, records: list[dict], depths
 
     ``trees``: also τ of decoders whose rounds verify the drafter's best-first tree of N nodes
     (``simulate.tree_lengths``), as ``fixed:N``, and with a datastore ``cond:N`` with each node's children
-    re-weighted by its n-grams (Bastion's drafter nodes at that size, without copy branches).
+    re-weighted by its n-grams (Bastion's drafter nodes at that size, without copy branches), and
+    ``all:N``, that tree with the lookup and datastore branches (a round accepts the longest of the three).
 
     ``by_confidence``: also the drafter's depth-1 accuracy per bin of the target's own confidence in
     the token (:func:`greedy_confidence`, bins :data:`CONFIDENCE_EDGES`): ``"by_confidence"`` holds
@@ -268,7 +272,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also the drafter's depth-1 accuracy per bin of the target's own confidence in the token")
     ap.add_argument("--trees", default="",
                     help="comma-separated tree sizes N: also τ of the drafter's best-first trees of N nodes "
-                         "(fixed:N; cond:N with the datastore's per-parent re-weighting)")
+                         "(fixed:N; cond:N with the datastore's per-parent re-weighting; all:N that tree with the "
+                         "prompt-lookup and datastore branches)")
     ap.add_argument("--drafter-linear", choices=(*MODES, "auto"), default="auto",
                     help="the drafter's products: auto (default) times bf16 against float32 panels as the "
                          "engine's probe does and keeps its choice, so the proposals scored are the engine's")
@@ -307,8 +312,8 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         a.trees = tuple(int(x) for x in a.trees.split(",") if x.strip())
     except ValueError:
         ap.error(f"--trees wants comma-separated sizes, got {a.trees!r}")
-    if any(n < 1 or n > 64 for n in a.trees):
-        ap.error(f"--trees sizes must be in [1, 64], got {a.trees}")
+    if any(n < 1 or n > MAX_TREE for n in a.trees):
+        ap.error(f"--trees sizes must be in [1, {MAX_TREE}], got {a.trees}")
     if a.cache is None:
         name = "heldout.pt" if a.prompts.resolve() == EVAL_PROMPTS.resolve() else f"heldout-{a.prompts.stem}.pt"
         a.cache = Path.home() / ".cache" / "bastion" / name

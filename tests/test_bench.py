@@ -5,6 +5,7 @@ import csv
 import gzip
 import json
 import lzma
+import re
 
 import pytest
 import torch
@@ -190,6 +191,17 @@ def test_drafter_b_strategies_parse_and_need_a_drafting_kind():
     assert refined["chain:refine3"].config(8, 0.0, 0).refine == 3 and refined["chain:refine0"].refine == 0
     assert refined["chain"].config(8, 0.0, 0).refine is None  # the drafter's own passes
     assert refined["bastion:nods:refine@b"].refine == 1 and not refined["bastion:nods:refine@b"].datastore
+    grown = {s.name: s for s in bench.parse_strategies("bastion:min8,bastion:nods:min64@b,bastion:min32:refine2")}
+    assert grown["bastion:min8"].config(8, 0.0, 0).min_nodes == 8 and grown["bastion:min8"].kind == "bastion"
+    assert grown["bastion:nods:min64@b"].min_nodes == 64 and grown["bastion:nods:min64@b"].drafter_b
+    assert grown["bastion:min32:refine2"].config(8, 0.0, 0).min_nodes == 32 and grown["bastion:min32:refine2"].refine == 2
+    assert bench.parse_strategies("bastion")[1].config(8, 0.0, 0).min_nodes == 0  # the throughput rule alone
+    for name, message in [("chain:min8", "only bastion's"), ("fixed:8:min8", "only bastion's"),
+                          ("bastion:copies:min8", "only bastion's"), ("bastion:min", "integer in [1, 128]"),
+                          ("bastion:min0", "integer in [1, 128]"), ("bastion:min129", "integer in [1, 128]"),
+                          ("bastion:minx", "unknown strategy")]:
+        with pytest.raises(bench.BenchError, match=re.escape(message)):
+            bench.parse_strategies(name)
     with pytest.raises(ValueError, match="need engine_b"):
         bench.run_suite(Engine.__new__(Engine), [bench.PromptCase("chat", 0, "x", [1])],
                         bench.parse_strategies("ar,bastion@b"))

@@ -232,7 +232,7 @@ def test_teacher_forced_trees_equal_the_engines_fixed_rounds():
     datastore that knows the reply, the per-parent re-weighting (cond:N) holds more of it."""
     from bastion.datastore import Datastore, NgramPrior
     from bastion.heldout import scan
-    from bastion.simulate import tree_lengths
+    from bastion.simulate import simulations, tree_lengths
 
     target = tiny_target("llama", vocab=13, dtype=torch.float64)  # a small vocabulary: random trees hit
     drafter = tiny_drafter(target, block_size=6)
@@ -257,15 +257,19 @@ def test_teacher_forced_trees_equal_the_engines_fixed_rounds():
     assert sum(cond) > sum(got)
     res = evaluate(drafter, target, [rec], depths=3, block=5, trees=(2, 4), datastore=ds)
     tau = res["all"]["tau"]
-    assert {"fixed:2", "fixed:4", "cond:2", "cond:4"} <= set(tau)
+    assert {"fixed:2", "fixed:4", "cond:2", "cond:4", "all:2", "all:4"} <= set(tau)
     assert tau["fixed:4"] == round(simulate_tau(got)[0] / simulate_tau(got)[1], 3)
+    sims = simulations(rec, lengths, lists, ds, (4,))  # all:N = the longest of the tree and both copy branches
+    assert sims["all:4"] == [max(c, x, y) for c, x, y in zip(cond, sims["lookup"], sims["datastore"])]
+    assert sum(sims["all:4"]) > sum(cond)  # the datastore knows the reply: its branch adds to the tree
 
 
 def test_bad_tree_sizes_are_refused_before_the_target_loads(capsys):
-    """heldout --trees: a size that is not a number, or outside 1–64, stops the command with the reason."""
+    """heldout --trees: a size that is not a number, or outside 1–128 (the engine's largest tree), stops the
+    command with the reason."""
     from bastion.heldout import main
 
-    for arg, msg in [("4,x", "comma-separated sizes"), ("0", "must be in [1, 64]"), ("65", "must be in [1, 64]")]:
+    for arg, msg in [("4,x", "comma-separated sizes"), ("0", "must be in [1, 128]"), ("129", "must be in [1, 128]")]:
         with pytest.raises(SystemExit):
             main(["--trees", arg])
         assert msg in capsys.readouterr().err
