@@ -57,6 +57,19 @@ SUFFIXES = ((":nopad", "pad_rows", "drafting strategies pad their trees"),
             (":refine", "refine", "drafting strategies refine"),
             (":min", "min_nodes", "bastion's drafted trees have a minimum size"))
 
+NUMERIC = ("refine", "min_nodes")
+
+
+def _may_carry(s: Strategy, attr: str) -> bool:
+    """Whether strategy ``s`` takes the suffix that sets ``attr``: every drafting strategy, but passes
+    refine a draft (not the copies alone) and a least tree size is Bastion's drafted trees only."""
+    if s.kind in ("hf", "ar"):
+        return False
+    if attr in NUMERIC and not s.draft:
+        return False
+    return attr != "min_nodes" or s.kind == "bastion"
+
+
 # bastion with one part switched off or changed (what each buys, measured in the same run)
 BASTION_VARIANTS = {"bastion:always": dict(skip_draft=False), "bastion:raw": dict(calibrate=False),
                     "bastion:nolookup": dict(lookup=False), "bastion:nods": dict(datastore=False),
@@ -86,11 +99,11 @@ def _strategy(name: str) -> Strategy:
         return replace(s, name=f"{s.name}@b", drafter_b=True)
     for suffix, attr, what in SUFFIXES:
         base, found, n = name.rpartition(suffix)
-        numeric = attr in ("refine", "min_nodes")
+        numeric = attr in NUMERIC
         if not (found and base and (n == "" or (numeric and n.isascii() and n.isdigit()))):
             continue
         s = _strategy(base)
-        if s.kind in ("hf", "ar") or (attr == "refine" and not s.draft) or (attr == "min_nodes" and (s.kind != "bastion" or not s.draft)):
+        if not _may_carry(s, attr):
             raise BenchError(f"strategy {name!r}: only {what}")
         if attr == "min_nodes" and not (n and 0 < int(n) <= GenerationConfig.max_nodes):
             raise BenchError(f"strategy {name!r}: the fewest draft nodes must be an integer in [1, "
