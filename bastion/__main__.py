@@ -1,5 +1,5 @@
-"""Command line: ``python -m bastion generate ...``, ``python -m bastion bench ...`` and
-``python -m bastion report FOLDER``.
+"""Command line: ``python -m bastion generate ...``, ``python -m bastion bench ...``,
+``python -m bastion report FOLDER`` and ``python -m bastion profile FOLDER``.
 
 Bad input gets one line on stderr and exit code 2, before any model is loaded where possible.
 """
@@ -51,6 +51,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--refine", type=int, default=None,
                    help="refinement passes per draft: pass i + 1 redrafts the depths after the i tokens drafted so "
                         "far (default: the drafter's own refine_passes, 0 for the shipped one; DFlashDrafter.draft)")
+    g.add_argument("--cost-profile", default=None,
+                   help="size trees with another host's measured costs (a name under bastion/profiles, e.g. "
+                        "h100-s43, or a JSON file from `python -m bastion profile`): a what-if, see bastion/costprofile.py")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to plain greedy decoding); > 0 samples exactly as the target")
@@ -78,7 +81,7 @@ def _checked_config(a) -> GenerationConfig:
                            datastore=not a.no_datastore, condition=not a.no_condition,
                            calibrate=not a.no_calibration, pad_rows=not a.no_pad_rows,
                            adaptive_depth=not a.full_depth, node_cost=a.node_cost, couple=not a.no_couple,
-                           refine=a.refine)
+                           refine=a.refine, cost_profile=_cost_profile(a.cost_profile))
     try:
         cfg.validate()
     except ValueError as exc:
@@ -92,6 +95,18 @@ def _checked_config(a) -> GenerationConfig:
     if a.trace is not None and not a.trace.parent.exists():
         raise UsageError(f"trace folder {a.trace.parent} does not exist")
     return cfg
+
+
+def _cost_profile(name: str | None):
+    """``--cost-profile``'s profile (None without it); a bad name or file is a UsageError."""
+    if name is None:
+        return None
+    from .costprofile import load_profile
+
+    try:
+        return load_profile(name)
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _engine_and_prompt(a, cfg: GenerationConfig):
@@ -154,6 +169,10 @@ def run_generate(a) -> int:
         print(f"\n\n[{result.strategy}] {len(result.token_ids)} tokens in {result.steps} rounds, "
               f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tok/s, decode {result.decode_s:.2f} s "
               f"({result.finish_reason})", file=sys.stderr)
+        if cfg.cost_profile is not None:
+            modeled = cfg.cost_profile.modeled_s(steps)
+            print(f"[{result.strategy}] trees sized for {cfg.cost_profile.name}: mean tree "
+                  f"{result.mean_tree_size:.1f}, modeled {len(result.token_ids) / modeled:.1f} tok/s there", file=sys.stderr)
     return 0
 
 
@@ -173,11 +192,38 @@ def run_report(a) -> int:
     return 0
 
 
+def _profile_parser(sub) -> None:
+    r = sub.add_parser("profile", help="measure a cost profile (bastion/costprofile.py) from a benchmark folder")
+    r.add_argument("folder", type=Path, help="a folder `bench` wrote on the host to profile")
+    r.add_argument("--name", default=None, help="the profile's name (default: the folder's)")
+    r.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
+
+
+def run_profile(a) -> int:
+    from .costprofile import profile_from_bench
+
+    try:
+        profile = profile_from_bench(a.folder, a.name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"cannot measure a cost profile from {a.folder}: {exc}") from None
+    if a.out is None:
+        print(json.dumps(profile.to_dict(), indent=1))
+        return 0
+    if not a.out.parent.is_dir():
+        raise UsageError(f"folder {a.out.parent} does not exist")
+    tmp = a.out.with_name(f".{a.out.name}.tmp")  # whole or not at all
+    profile.save(tmp)
+    os.replace(tmp, a.out)
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bastion", description="Bastion: budget-aware tree speculative decoding")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _generate_parser(sub)
     _report_parser(sub)
+    _profile_parser(sub)
     try:
         from .bench import add_parser as add_bench, run_bench
         add_bench(sub)
@@ -189,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(a)
         if a.cmd == "report":
             return run_report(a)
+        if a.cmd == "profile":
+            return run_profile(a)
         return run_bench(a)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

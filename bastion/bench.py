@@ -33,7 +33,7 @@ import json
 import math
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -44,6 +44,7 @@ from tqdm import tqdm
 from .drafter_io import precheck_local_drafter
 from .engine import Engine
 from .bench_strategies import BenchError, Strategy, parse_strategies
+from .costprofile import CostProfile, load_profile
 from .bench_runs import linear_mode, peak_memory, reset_peak_memory, run_engine, run_hf, shown_path
 from .kernels import cpu_native
 from .kernels.cpu_linear import MODES
@@ -94,9 +95,10 @@ def read_prompts(path: Path, limit: int | None = None) -> dict[str, list[str]]:
 # --------------------------------------------------------------------- the suite
 def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy], max_new_tokens: int = 128,
               temperature: float = 0.0, repeats: int = 1, seed: int = 0, command: str = "",
-              progress: bool = True, engine_b: Engine | None = None) -> BenchOutput:
+              progress: bool = True, engine_b: Engine | None = None, profile: CostProfile | None = None) -> BenchOutput:
     """Run every strategy on every case (order in the module docstring) and tabulate the results;
-    ``engine_b`` (on ``engine``'s target) runs the strategies named ``NAME@b``."""
+    ``engine_b`` (on ``engine``'s target) runs the strategies named ``NAME@b``; ``profile`` sizes every
+    engine strategy's trees with another host's costs and prices their rounds (bastion/costprofile.py)."""
     if not cases or strategies[0].name != "ar":
         raise ValueError("run_suite needs prompts and AR as the first strategy")
     if engine_b is not None and engine_b.target is not engine.target:
@@ -114,7 +116,8 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
             lookup = PROMPT_LOOKUP_TOKENS if s.name == "hf_prompt_lookup" else None
             run = run_hf(engine, case.ids, n, temperature, seed, lookup)
         else:
-            run = run_engine(engine_b if s.drafter_b else engine, case.ids, s.config(n, temperature, seed), sink, tag)
+            cfg = replace(s.config(n, temperature, seed), cost_profile=profile)
+            run = run_engine(engine_b if s.drafter_b else engine, case.ids, cfg, sink, tag)
         run.peak_rss_mb, run.peak_gpu_mb = peak_memory(device)
         return run
 
@@ -135,6 +138,19 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
                 runs.setdefault((i, s.name), []).append(measure(case, s, max_new_tokens, rows, tag))
                 bar.update()
     bar.close()
+    _machine_after_run(machine, engine, engine_b, resettable)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
+                "warmup_tokens": WARMUP_TOKENS, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+                "timing": "decode tokens/s, prefill excluded (generate(): streamer stamps after the first batch)"}
+    if profile is not None:
+        settings["cost_profile"] = profile.to_dict()
+    return BenchOutput({"machine": machine, "command": command, "settings": settings,
+                        **tabulate(cases, [s.name for s in strategies], runs)}, rows)
+
+
+def _machine_after_run(machine: dict, engine: Engine, engine_b: Engine | None, resettable: bool) -> None:
+    """What the run left to record about the machine: the load, the row padding and product paths the
+    probes chose, and how peak memory was measured."""
     machine["load_average_end"] = load_average()
     # the row padding the engine measured during the warm-ups (None when no strategy drafted)
     machine["row_padding"] = engine.padding.to_dict() if engine.padding is not None else None
@@ -152,11 +168,6 @@ def run_suite(engine: Engine, cases: list[PromptCase], strategies: list[Strategy
             machine["drafter_linear_b"] = linear_mode(engine_b.drafter)
     machine["peak_memory"] = ("per run: VmHWM reset through /proc/self/clear_refs" if resettable
                               else "process lifetime peak (getrusage)")
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats, "seed": seed,
-                "warmup_tokens": WARMUP_TOKENS, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
-                "timing": "decode tokens/s, prefill excluded (generate(): streamer stamps after the first batch)"}
-    return BenchOutput({"machine": machine, "command": command, "settings": settings,
-                        **tabulate(cases, [s.name for s in strategies], runs)}, rows)
 
 
 # --------------------------------------------------------------------- command line
@@ -207,6 +218,10 @@ def add_parser(sub) -> None:
     b.add_argument("--drafter-linear-b", choices=(*MODES, "auto"), default=None,
                    help="the products of --drafter-b's drafter (default: --drafter-linear's): with the same "
                         "folder as --drafter, an A/B of the drafter's arithmetic within one run")
+    b.add_argument("--cost-profile", default=None,
+                   help="size every engine strategy's trees with another host's measured costs (a name under "
+                        "bastion/profiles, e.g. h100-s43, or a file from `python -m bastion profile`) and report the "
+                        "time that profile prices the rounds at beside the measured one (bastion/costprofile.py)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -252,6 +267,10 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
         raise BenchError(f"unknown dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
     if a.kernels not in BACKENDS:
         raise BenchError(f"unknown kernel backend {a.kernels!r}; choose one of {', '.join(BACKENDS)}")
+    try:
+        profile = load_profile(a.cost_profile) if getattr(a, "cost_profile", None) else None
+    except (OSError, ValueError) as exc:
+        raise BenchError(str(exc)) from None
     suite = read_prompts(a.prompts, a.limit_per_category)
     out_dir = a.out or Path("bench") / datetime.now().strftime("out-%Y%m%d-%H%M%S")
     if out_dir.exists() and not out_dir.is_dir():
@@ -274,7 +293,7 @@ def _bench(a, engine: Engine | None, encode: Callable[[str], list[int]] | None, 
             raise BenchError(f"prompt {case.category}[{case.index}] has {len(case.ids)} tokens: with "
                              f"--max-new-tokens {a.max_new_tokens} it exceeds the model's context of {limit}")
     out = run_suite(engine, cases, strategies, a.max_new_tokens, a.temperature, a.repeats, a.seed,
-                    _command(a, out_dir), progress=not a.no_progress, engine_b=engine_b)
+                    _command(a, out_dir), progress=not a.no_progress, engine_b=engine_b, profile=profile)
     paths = write_report(out, out_dir)
     print(markdown(out.results, out.rounds))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -334,7 +353,7 @@ def _command(a, out_dir: Path) -> str:
             "--linear", a.linear, "--drafter-linear", drafter_linear(a)]
     for flag, value in (("--limit-per-category", a.limit_per_category), ("--drafter", a.drafter),
                         ("--drafter-b", a.drafter_b), ("--drafter-linear-b", getattr(a, "drafter_linear_b", None)),
-                        ("--device", a.device)):
+                        ("--device", a.device), ("--cost-profile", getattr(a, "cost_profile", None))):
         if value is not None:
             argv += [flag, str(value)]
     if a.hf_baselines:

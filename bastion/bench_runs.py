@@ -30,8 +30,9 @@ def run_engine(engine: Engine, ids: list[int], cfg: GenerationConfig, rows: list
                 for s in steps)
     errors = [abs(s.predicted_verify_s - s.measured_verify_s) / s.measured_verify_s
               for s in steps[10:] if s.measured_verify_s > 0]
+    modeled = cfg.cost_profile.modeled_s(steps) if cfg.cost_profile is not None else None
     return Run(res.token_ids, res.steps, len(res.token_ids), res.decode_s, sum(len(s.tree) for s in steps),
-               dict(res.stage_s), errors)
+               dict(res.stage_s), errors, modeled_s=modeled)
 
 
 class _TokenClock(BaseStreamer):

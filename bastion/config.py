@@ -5,8 +5,12 @@ and the command line all read the same settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .verify import SamplingParams
+
+if TYPE_CHECKING:
+    from .costprofile import CostProfile
 
 STRATEGIES = ("ar", "chain", "fixed", "bastion")
 
@@ -39,6 +43,8 @@ class GenerationConfig:
     couple: bool = True      # drafting strategies at T > 0: rank candidates by the target's own Gumbel draws, see coupling.py
     node_cost: bool = False  # price the host's build + commit time per tree node in the throughput rule (hostcost.py)
     refine: int | None = None  # drafting strategies: refinement passes per draft (DFlashDrafter.draft); None: the drafter's own
+    # size trees with another host's measured costs instead of this one's calibration (a what-if; costprofile.py)
+    cost_profile: CostProfile | None = None
 
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:

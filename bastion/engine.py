@@ -92,11 +92,8 @@ class Engine:
 
     def copy_sources(self, cfg: GenerationConfig, prompt_ids: list[int]) -> CopySources | None:
         """Bastion's copy-based sources for one request (None: none is on)."""
-        names = []
-        if cfg.strategy == "bastion" and cfg.lookup:
-            names.append("lookup")
-        if cfg.strategy == "bastion" and cfg.datastore and self.datastore is not None:
-            names.append("datastore")
+        names = [name for name, on in (("lookup", cfg.lookup), ("datastore", cfg.datastore and self.datastore is not None))
+                 if on and cfg.strategy == "bastion"]
         if not names:
             return None
         return CopySources(prompt_ids, cfg.lookup_tokens, {n: self.lookup_rates(cfg, n) for n in names},
@@ -110,11 +107,15 @@ class Engine:
     def cost(self, cfg: GenerationConfig, context: int) -> Callable[[int], float]:
         """n ↦ predicted verify seconds of an n-node tree at this context, padding included (plus the
         host's b·n with ``cfg.node_cost``: :meth:`overhead` then leaves T_o's share that grows with n out)."""
+        if cfg.cost_profile is not None:  # another host's measured costs, v(n) + b·n (costprofile.py)
+            return cfg.cost_profile.cost
         b = (self.host.line(cfg.builder()) or (0.0, 0.0))[1] if cfg.node_cost else 0.0
         return lambda n: self.latency.predict(self.rows(cfg, n), context) + b * n
 
     def overhead(self, cfg: GenerationConfig, drafting: bool = True) -> float:
         """The round's time that :meth:`cost` leaves out: T_d (when drafting) + T_o, or + a with ``cfg.node_cost``."""
+        if cfg.cost_profile is not None:  # its T_d + a
+            return cfg.cost_profile.overhead(drafting)
         t_d, t_o = self.latency.overheads(cfg.setting())  # this setting's own (the benchmark runs several)
         t_o = (self.host.line(cfg.builder()) or (t_o,))[0] if cfg.node_cost else t_o  # T_o until its first round
         return (t_d if drafting else 0.0) + t_o
@@ -391,8 +392,8 @@ class Engine:
                 finish: str, predicted: float, threads: int, times: StageTimes, elapsed: float) -> Step:
         """The round as a :class:`Step` (what the app draws and the benchmark counts)."""
         exp, tree, topk = plan.exp, plan.tree, draft.topk if draft is not None else None
-        lookup_tokens, lookup_rates = self._proposed(plan.proposals, "lookup")
-        datastore_tokens, datastore_rates = self._proposed(plan.proposals, "datastore")
+        lookup_tokens, lookup_rates = plan.proposed("lookup")
+        datastore_tokens, datastore_rates = plan.proposed("datastore")
         return Step(req.index, req.cfg.strategy, tree, exp.trace, exp.stop_reason, acc.accepted, acc.choices, new,
                     self._texts(req, new, bool(finish)), acc.bonus, tree.expected_tokens, predicted, times.verify,
                     exp.round_overhead, times, req.committed, req.generated, elapsed,
@@ -402,12 +403,6 @@ class Engine:
                     lookup_tokens=lookup_tokens, lookup_rates=lookup_rates, rows=plan.rows,
                     datastore_tokens=datastore_tokens, datastore_rates=datastore_rates,
                     conditioned=exp.conditioned, threads=threads)
-
-    @staticmethod
-    def _proposed(proposals: list, source: str) -> tuple[list[int], list[float]]:
-        """(tokens, rates) of this round's proposal from ``source``, empty when it had none."""
-        p = next((p for p in proposals if p.source == source), None)
-        return (list(p.proposal.tokens), p.used_rates()) if p is not None else ([], [])
 
     def run(self, prompt_ids: list[int], cfg: GenerationConfig) -> GenerationResult:
         """Drain :meth:`generate` into a result."""

@@ -39,29 +39,33 @@ class Run:
     errors: list[float] = field(default_factory=list)  # latency-model relative errors, rounds ≥ 10
     peak_rss_mb: float = 0.0
     peak_gpu_mb: float | None = None
+    modeled_s: float | None = None  # the decode time a cost profile prices the rounds at (engine, --cost-profile)
 
 
 
 def tabulate(cases: list[PromptCase], names: list[str], runs: dict[tuple[int, str], list[Run]]) -> dict:
     """results.json's strategies / categories / prompts sections from every run of every (case, strategy)."""
-    speedup, match, prompts = {}, {}, []
+    speedup, match, prompts, modeled = {}, {}, [], {}
     for i, case in enumerate(cases):
         ref, ar_rate = runs[i, "ar"][0].token_ids, _rate(runs[i, "ar"])
+        ar_modeled = _modeled_rate(runs[i, "ar"])
         entry = {"category": case.category, "index": case.index, "prompt": case.text,
                  "prompt_tokens": len(case.ids), "strategies": {}}
         for name in names:
             rs = runs[i, name]
             speedup[i, name] = _rate(rs) / ar_rate if ar_rate > 0 else None
             match[i, name] = all(r.token_ids == ref for r in rs)
-            stats = _pool(rs, [speedup[i, name]], [match[i, name]])
+            rate = _modeled_rate(rs)
+            modeled[i, name] = rate / ar_modeled if rate is not None and ar_modeled else None
+            stats = _pool(rs, [speedup[i, name]], [match[i, name]], [modeled[i, name]])
             stats["first_mismatch"] = next((_first_mismatch(r.token_ids, ref) for r in rs if r.token_ids != ref), None)
             stats["tokens_per_s_runs"] = [round(_rate([r]), 3) for r in rs]
             entry["strategies"][name] = stats
         prompts.append(entry)
 
     def group(idx: list[int]) -> dict:
-        return {n: _pool([r for i in idx for r in runs[i, n]], [speedup[i, n] for i in idx], [match[i, n] for i in idx])
-                for n in names}
+        return {n: _pool([r for i in idx for r in runs[i, n]], [speedup[i, n] for i in idx], [match[i, n] for i in idx],
+                         [modeled[i, n] for i in idx]) for n in names}
 
     categories = {c: group([i for i, x in enumerate(cases) if x.category == c])
                   for c in dict.fromkeys(x.category for x in cases)}
@@ -77,8 +81,18 @@ def _rate(runs: list[Run]) -> float:
     return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else 0.0
 
 
-def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool]) -> dict:
-    """Statistics of a group of runs (definitions in bastion.bench's module docstring)."""
+def _modeled_rate(runs: list[Run]) -> float | None:
+    """Tokens per modeled second (a cost profile's price of the rounds); None unless every run has one."""
+    if not runs or any(r.modeled_s is None for r in runs):
+        return None
+    seconds = sum(r.modeled_s for r in runs)
+    return sum(r.decode_tokens for r in runs) / seconds if seconds > 0 else None
+
+
+def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool],
+          modeled: list[float | None] | None = None) -> dict:
+    """Statistics of a group of runs (definitions in bastion.bench's module docstring); with a cost
+    profile, also the modeled tokens/s and the mean over prompts of the modeled rate ÷ AR's."""
     tokens, rounds = sum(len(r.token_ids) for r in runs), sum(r.rounds for r in runs)
     decode_s = sum(r.decode_s for r in runs)
     speedups = [s for s in speedups if s is not None]
@@ -98,7 +112,14 @@ def _pool(runs: list[Run], speedups: list[float | None], matches: list[bool]) ->
         "latency_error": _round(statistics.median(errors) if errors else None),
         "peak_rss_mb": _round(max(r.peak_rss_mb for r in runs), 1), "peak_gpu_mb": _round(max(gpu), 1) if gpu else None,
         "tokens": tokens, "rounds": rounds, "decode_s": _round(decode_s, 6), "runs": len(runs),
-    }
+    } | _modeled_stats(runs, modeled or [])
+
+
+def _modeled_stats(runs: list[Run], modeled: list[float | None]) -> dict:
+    rate, ratios = _modeled_rate(runs), [m for m in modeled if m is not None]
+    if rate is None:
+        return {}
+    return {"modeled_tokens_per_s": _round(rate), "modeled_speedup_vs_ar": _round(statistics.fmean(ratios) if ratios else None)}
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
@@ -239,7 +260,7 @@ def markdown(results: dict, rounds: list[dict] | None = None) -> str:
     if s["temperature"] > 0 and any(n.startswith("hf_") for n in results["strategies"]):
         lines += ["", "At T > 0 the hf_* baselines sample from transformers' own random stream: "
                       "their match with AR is not expected."]
-    lines += _anatomy(results["strategies"]) + _versus(results["strategies"])
+    lines += _anatomy(results["strategies"]) + _versus(results["strategies"]) + _modeled_table(results)
     if rounds:
         lines += _rows_table(verify_by_rows(rounds))
     return "\n".join(lines) + "\n"
@@ -256,6 +277,21 @@ def _anatomy(strategies: dict) -> list[str]:
         ms = {k: 1e3 * v / st["rounds"] for k, v in st["time_s"].items()}
         lines.append(f"| {name} | {1e3 * st['decode_s'] / st['rounds']:.2f} | "
                      + " | ".join(f"{ms[k]:.2f}" for k in (*STAGES, "other")) + " |")
+    return lines
+
+
+def _modeled_table(results: dict) -> list[str]:
+    """With ``--cost-profile``: each strategy's rounds priced by the profile (bastion/costprofile.py)."""
+    profile = results["settings"].get("cost_profile")
+    rows = {n: st for n, st in results["strategies"].items() if "modeled_tokens_per_s" in st}
+    if not profile or not rows:
+        return []
+    lines = ["", f"Trees sized with the cost profile `{profile['name']}` ({profile.get('source', '')}); the τ and trees "
+             "above are what its rule accepted here; the time below is the profile's price of each recorded round, a model, "
+             "not a measurement:", "", "| strategy | modeled tok/s | modeled speedup vs AR | τ | mean tree |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {st['modeled_tokens_per_s']:.1f} | {_cell(st['modeled_speedup_vs_ar'], '{:.2f}×')} | "
+              f"{_cell(st['tau'])} | {_cell(st['mean_tree_size'], '{:.1f}')} |" for n, st in rows.items()]
     return lines
 
 

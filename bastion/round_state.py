@@ -71,3 +71,8 @@ class Plan:
     @property
     def tree(self) -> DraftTree:
         return self.exp.tree
+
+    def proposed(self, source: str) -> tuple[list[int], list[float]]:
+        """(tokens, rates) of this round's proposal from ``source`` ("lookup", "datastore"), empty when it had none."""
+        p = next((p for p in self.proposals if p.source == source), None)
+        return (list(p.proposal.tokens), p.used_rates()) if p is not None else ([], [])

@@ -197,6 +197,20 @@ def test_replan_on_this_machine_reproduces_bastions_trees():
     last = [rec for rec in run["steps"] if rec.get("draft_logq")][-1]
     h200 = replan(last, run["model"], "H200", run["settings"])
     assert len(h200["tree"]["tokens"]) >= len(last["tree"]["tokens"])  # a flat roofline grows trees
+    # a host a benchmark measured (bastion/profiles): the plan is priced with its costs, exactly as the
+    # engine's --cost-profile sizes trees, and its v(n) joins the cost plot
+    from app.engine_glue import cost_curves, measured_hosts, whatif_devices
+    from app.handlers import whatif_markdown
+    label = "h100-s43 (measured)"
+    assert label in whatif_devices() and whatif_devices()[0] == THIS_MACHINE
+    h100 = replan(last, run["model"], label, run["settings"])
+    profile = measured_hosts()[label]
+    assert h100["overhead_s"] == profile.overhead(True)
+    assert h100["predicted_verify_s"] == profile.cost(len(h100["tree"]["tokens"]))
+    assert len(h100["tree"]["tokens"]) >= len(last["tree"]["tokens"])  # 1 to 129 rows in 15–18 ms there
+    curves = cost_curves(last, run["model"], label, 8)
+    assert curves[f"{label}: v(n)"] == (list(range(1, 9)), [profile.verify(n) for n in range(1, 9)])
+    assert "measured on results-s43-h100" in whatif_markdown(last, h100, label)
 
 
 def test_export_import_roundtrip_and_bad_files(tmp_path):
