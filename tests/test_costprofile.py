@@ -217,3 +217,14 @@ def test_a_bad_profile_exits_2_before_anything_loads(argv, tmp_path, capsys, mon
     assert main(["generate", "--prompt", "hi", *argv]) == 2  # refused before the target loads
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cost profile" in err[0]
+
+
+def test_sampled_output_with_a_profile_is_ars_sample():
+    """At T > 0 a profile changes which trees are verified, never the sample: one seed, one output."""
+    target = tiny_target("llama", dtype=torch.float64)
+    engine = Engine(target, tiny_drafter(target, block_size=6), kernels="torch", stop_ids=set())
+    for seed in (1, 2):
+        ar = engine.run([2, 3], GenerationConfig(strategy="ar", max_new_tokens=16, temperature=1.0, seed=seed)).token_ids
+        for profile in (flat(), steep()):
+            cfg = GenerationConfig(strategy="bastion", max_new_tokens=16, temperature=1.0, seed=seed, cost_profile=profile)
+            assert engine.run([2, 3], cfg).token_ids == ar, (seed, profile.name)
