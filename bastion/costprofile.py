@@ -77,7 +77,7 @@ class CostProfile:
         the last segment's slope (a single point: flat)."""
         xs, ys = self.rows, self.verify_s
         if rows <= xs[0] or len(xs) == 1:
-            return ys[0] if rows <= xs[0] else ys[-1]
+            return ys[0]
         i = next((j for j in range(1, len(xs)) if rows <= xs[j]), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
@@ -212,15 +212,20 @@ def _host_line(rounds: list[dict], strategies: dict) -> tuple[float, float]:
     return a, max(0.0, (_per_round(bas) - a) / (bas["mean_tree_size"] - 1.0))
 
 
+def _kind(name: str) -> str:
+    """A benchmark strategy's engine strategy: 'fixed:64' → 'fixed', 'bastion:copies@b' → 'bastion'."""
+    return name.split(":")[0].split("@")[0]
+
+
 def _other_lines(rounds: list[dict], strategies: dict) -> tuple[tuple[str, float, float], ...]:
     """(kind, a, b) of ar, chain and fixed: per-round logs where they have host times, else each benchmark
     strategy's (mean tree, mean host time a round)."""
     pts: dict[str, list[tuple[float, float]]] = {}
     if all("host_s" in r for r in rounds):
         for r in rounds:
-            pts.setdefault(r["strategy"].split(":")[0].split("@")[0], []).append((r["tree_size"], r["host_s"]))
+            pts.setdefault(_kind(r["strategy"]), []).append((r["tree_size"], r["host_s"]))
     else:
         for name, st in strategies.items():
             if st.get("rounds") and st.get("time_s") and st.get("mean_tree_size"):
-                pts.setdefault(name.split(":")[0].split("@")[0], []).append((st["mean_tree_size"], _per_round(st)))
+                pts.setdefault(_kind(name), []).append((st["mean_tree_size"], _per_round(st)))
     return tuple((kind, *_fit(p)) for kind, p in sorted(pts.items()) if kind in ("ar", "chain", "fixed") and p)
