@@ -44,7 +44,7 @@ import torch
 from .tree import DraftTree
 
 
-def _pav(y: list[float], w: list[float]) -> list[float]:
+def isotonic_fit(y: list[float], w: list[float]) -> list[float]:
     """Weighted isotonic (non-decreasing) regression by pool-adjacent-violators."""
     blocks: list[list[float]] = []  # [mean, weight, count]
     for yi, wi in zip(y, w):
@@ -179,7 +179,7 @@ class AcceptanceCalibrator:
         mids = [(b + 0.5) / self.bins for b in range(self.bins)]
         xs = [qs / t if t > 1e-9 else m for qs, t, m in zip(qsum, tries, mids)]
         ys = [(h + self.prior * x) / (t + self.prior) for h, t, x in zip(hits, tries, xs)]
-        return xs, _pav(ys, [t + self.prior for t in tries])
+        return xs, isotonic_fit(ys, [t + self.prior for t in tries])
 
     def _build_table(self) -> np.ndarray:
         """[G, grid] float32 log g: each group's knots, through the origin and flat beyond the last

@@ -32,7 +32,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .calibration import _pav
+from .calibration import isotonic_fit
 from .report import _open_text, read_rounds
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -170,7 +170,7 @@ def profile_from_bench(folder: str | Path, name: str | None = None) -> CostProfi
     points = sorted((n, statistics.median(v), len(v)) for n, v in by_rows.items() if len(v) >= MIN_ROUNDS)
     if not points:
         raise ValueError(f"{folder}: no row count has {MIN_ROUNDS} rounds to measure a verification")
-    verify = _pav([p[1] for p in points], [float(p[2]) for p in points])
+    verify = isotonic_fit([p[1] for p in points], [float(p[2]) for p in points])
     draft, (a, b) = _draft_time(rounds, results["strategies"]), _host_line(rounds, results["strategies"])
     m = results["machine"]
     where = f"{folder.name}: {m.get('gpu') or m.get('cpu')}, {m.get('device')}, {m.get('dtype')}, {m.get('date', '')[:10]}"

@@ -32,9 +32,10 @@ def assistant_header(tokenizer) -> list[int]:
 
 @torch.inference_mode()
 def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: int, layer_ids: list[int],
-                seed: int = 0, features: bool = True) -> None:
+                seed: int = 0, features: bool = True, newest: int = 0) -> None:
     """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample; ``n_seqs`` ≤ 0:
-    all of them), for training on earlier data whose shards are gone: the datastore keeps every
+    all of them; ``newest`` > 0 samples from the last ``newest`` stored replies only — ``--extend``
+    appends, so those are the ones added last, which earlier drafters may never have seen), for training on earlier data whose shards are gone: the datastore keeps every
     reply's token ids (prompt included), so one forward per batch restores the features — no
     generation. The prompt ends after the last assistant header (:func:`assistant_header`); replies
     without one are skipped. ``features=False`` writes token ids only, without running the target
@@ -59,6 +60,8 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
                 return i + h
         return -1
 
+    if newest > 0:
+        seqs = seqs[-newest:]
     pairs = [(q, split(q)) for q in seqs]
     pairs = [(q, p) for q, p in pairs if 0 < p < len(q)]
     if not pairs:
@@ -68,9 +71,10 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
         pairs = pairs[:n_seqs]
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": layer_ids, "prompts": len(pairs), "batch": batch, "corpus": "replay", "seed": seed,
-            "features": features, "datastore": str(datastore)}
-    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features"),
-                           defaults={"features": True})
+            "features": features, "newest": newest, "dtype": str(target.dtype).removeprefix("torch."),
+            "datastore": str(datastore)}
+    _refuse_other_settings(out, meta, ("layer_ids", "corpus", "seed", "batch", "features", "newest", "dtype"),
+                           defaults={"features": True, "newest": 0, "dtype": "float32"})
     (out / "meta.json").write_text(json.dumps(meta))
     target.set_feature_layers(layer_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from bastion.calibration import AcceptanceCalibrator, _pav
+from bastion.calibration import AcceptanceCalibrator, isotonic_fit
 from bastion.engine import Engine, GenerationConfig
 from bastion.expansion import BudgetRule, best_first_from_topk
 from bastion.tree import DraftTree
@@ -55,7 +55,7 @@ def test_calibrated_values_are_monotone_and_keep_best_first_exact():
     grid = torch.linspace(1e-4, 1.0, 400)
     g = cal.log_g(grid.log()[None]).exp()[0]
     assert bool((g[1:] >= g[:-1] - 1e-7).all()) and float(g.max()) <= 1.0
-    assert _pav([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert isotonic_fit([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0]
     # siblings stay in descending order, so the heap's best-first order is still exact
     logq = torch.log_softmax(3 * torch.randn(6, 20), -1).sort(-1, descending=True).values
     lg = cal.log_g(logq)

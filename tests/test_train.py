@@ -476,8 +476,43 @@ def test_replay_restores_feature_shards_from_a_datastore(tmp_path, capsys):
     # the same folder cannot silently switch to feature shards
     assert main(["replay", "--datastore", str(store), "--out", str(ids), "--sequences", "0"] + common) == 2
     assert "other settings (features)" in capsys.readouterr().err
+    # --newest: only the replies stored last (an --extend appends), here the last 2 of 3
+    from bastion.datastore import Datastore
+    flat = Datastore.load(store, 49152).tokens.tolist()
+    stored = [tuple(q) for q in _split_at(flat, -1)]
+    newest = tmp_path / "newest"
+    assert main(["replay", "--datastore", str(store), "--out", str(newest), "--sequences", "0", "--newest", "2",
+                 "--no-features"] + common) == 0
+    assert sorted(tuple(r["ids"].tolist()) for r in load_shards(newest, ids_only=True)) == sorted(stored[-2:])
+    assert main(["replay", "--datastore", str(store), "--out", str(newest), "--sequences", "0", "--newest", "1",
+                 "--no-features"] + common) == 2
+    assert "other settings (newest)" in capsys.readouterr().err
+    # --dtype bfloat16 (the fast path on AMX): the same replies, features within bf16 rounding of float32's
+    half = tmp_path / "bf16"
+    assert main(["replay", "--datastore", str(store), "--out", str(half), "--sequences", "5", "--batch", "2",
+                 "--dtype", "bfloat16"] + common) == 0
+    assert json.loads((half / "meta.json").read_text())["dtype"] == "bfloat16"
+    for r in load_shards(half):
+        f32, f16 = made[tuple(r["ids"].tolist())]["feats"].float(), r["feats"].float()
+        assert r["feats"].dtype == torch.float16
+        assert ((f16 - f32).norm() / f32.norm()).item() < 0.05
+    with pytest.raises(SystemExit):
+        main(["replay", "--datastore", str(store), "--out", str(tmp_path / "neg"), "--newest", "-1"] + common)
+    assert "--newest must be ≥ 0" in capsys.readouterr().err and not (tmp_path / "neg").exists()
     assert main(["replay", "--datastore", str(tmp_path), "--out", str(out)] + common) == 2
     assert "no datastore" in capsys.readouterr().err
+
+
+def _split_at(flat: list[int], sep: int) -> list[list[int]]:
+    """``flat`` cut at every ``sep`` (the separator dropped; a datastore ends each reply with one)."""
+    out, cur = [], []
+    for t in flat:
+        if t == sep:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
