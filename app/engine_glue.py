@@ -123,9 +123,11 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     profile = measured_hosts().get(device)
     if profile is not None:  # that host's measured costs, as the engine's --cost-profile sizes with them
         cost, overhead = profile.cost, profile.overhead(drafting=True)
+        label = "predicted v(n) + b·n"  # verification plus that host's per-node build and commit time
     else:
         latency, overhead = whatif_model(record, model_info, device)
         cost = verify_cost(latency, record["calib"], c, device)
+        label = "predicted C(n)"
     rule = BudgetRule("adaptive", max_nodes=int(settings.get("max_nodes", 128)),
                       max_depth=len(record["draft_logq"]), min_nodes=int(settings.get("min_nodes", 0)),
                       lookahead=int(settings.get("lookahead", 8)))
@@ -138,7 +140,7 @@ def replan(record: dict, model_info: dict, device: str, settings: dict) -> dict 
     n = len(exp.tree)
     return {"device": device, "tree": exp.tree.to_dict(), "trace": [d.to_dict() for d in exp.trace],
             "stop_reason": exp.stop_reason, "overhead_s": overhead, "root_cost_s": exp.root_cost,
-            "predicted_verify_s": cost(n), "expected_tokens": exp.tree.expected_tokens,
+            "predicted_verify_s": cost(n), "expected_tokens": exp.tree.expected_tokens, "cost_label": label,
             "texts": record.get("texts", {}), "accepted": [], "tokens": [], "index": record["index"]}
 
 

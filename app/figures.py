@@ -191,8 +191,12 @@ def gain_cost_points(step: dict) -> dict:
 
 
 def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
-    """S_n and predicted throughput (top), predicted C(n) (bottom); a line where the tree stopped."""
+    """S_n and predicted throughput (top), predicted C(n) (bottom); a line where the tree stopped.
+    ``step["cost_label"]`` names the cost curve where it is not plain C(n) (a measured host's re-plan
+    prices v(n) + b·n: verification plus that host's per-node build and commit time)."""
     pts = gain_cost_points(step)
+    cost_name = step.get("cost_label", "predicted C(n)")
+    cost_sym = cost_name.removeprefix("predicted ")
     if not pts["n"]:
         return empty_figure("no size decisions in this round")
     chosen = len(step["tree"]["tokens"])
@@ -201,17 +205,17 @@ def gain_cost_figure(step: dict, title: str | None = None) -> go.Figure:
     sym = ["circle" if a else "circle-open" for a in pts["added"]]
     fig.add_trace(go.Scatter(x=pts["n"], y=pts["S"], name="S_n expected tokens (open: not taken)", mode="lines+markers",
                              marker=dict(symbol=sym, size=6), line=dict(color=COLORS["accepted"])), row=1, col=1)
-    fig.add_trace(go.Scatter(x=pts["n"], y=pts["throughput"], name="predicted tok/s = S_n/(T+C(n))",
+    fig.add_trace(go.Scatter(x=pts["n"], y=pts["throughput"], name=f"predicted tok/s = S_n/(T+{cost_sym})",
                              mode="lines", line=dict(color=COLORS["predicted"], dash="dot")),
                   row=1, col=1, secondary_y=True)
-    fig.add_trace(go.Scatter(x=pts["n"], y=[1e3 * c for c in pts["C"]], name="predicted C(n)", mode="lines+markers",
+    fig.add_trace(go.Scatter(x=pts["n"], y=[1e3 * c for c in pts["C"]], name=cost_name, mode="lines+markers",
                              marker=dict(symbol=sym, size=5), line=dict(color=COLORS["predicted"])), row=2, col=1)
     if pts["lookup"]["n"]:  # the prompt-lookup branch, sized after the drafter's tree by the same rule
         lk = pts["lookup"]
         lsym = ["square" if a else "square-open" for a in lk["added"]]
         fig.add_trace(go.Scatter(x=lk["n"], y=lk["S"], name="S_n with copied nodes (lookup, datastore)", mode="lines+markers",
                                  marker=dict(symbol=lsym, size=7), line=dict(color=COLORS["bonus"])), row=1, col=1)
-        fig.add_trace(go.Scatter(x=lk["n"], y=[1e3 * c for c in lk["C"]], name="C(n) with copied nodes",
+        fig.add_trace(go.Scatter(x=lk["n"], y=[1e3 * c for c in lk["C"]], name=f"{cost_sym} with copied nodes",
                                  mode="lines+markers", marker=dict(symbol=lsym, size=6), line=dict(color=COLORS["bonus"]),
                                  showlegend=False), row=2, col=1)
     if step.get("tokens"):

@@ -210,7 +210,8 @@ def whatif_markdown(rec: dict, plan: dict | None, device: str) -> str:
              f"the {device} roofline (bf16, α = 1)")
     return (f"Round {rec['index']} re-planned under {where}, T = {1e3 * plan['overhead_s']:.3g} ms: Bastion would "
             f"verify **{len(plan['tree']['tokens'])}** nodes (S = {plan['expected_tokens']:.2f} expected tokens, "
-            f"predicted C = {1e3 * plan['predicted_verify_s']:.3g} ms); {here}, strategy {rec['strategy']}. "
+            f"predicted {plan.get('cost_label', 'C(n)').removeprefix('predicted ')} = "
+            f"{1e3 * plan['predicted_verify_s']:.3g} ms); {here}, strategy {rec['strategy']}. "
             f"Stop: {plan['stop_reason']}." + (_TOPK_CAVEAT if max(rec["tree"]["ranks"]) >= TOPK_RECORDED else "")
             + (_CONDITIONED_CAVEAT if rec.get("conditioned") else ""))
 

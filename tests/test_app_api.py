@@ -211,6 +211,11 @@ def test_replan_on_this_machine_reproduces_bastions_trees():
     curves = cost_curves(last, run["model"], label, 8)
     assert curves[f"{label}: v(n)"] == (list(range(1, 9)), [profile.verify(n) for n in range(1, 9)])
     assert "measured on results-s43-h100" in whatif_markdown(last, h100, label)
+    assert "predicted v(n) + b·n = " in whatif_markdown(last, h100, label)
+    from app.figures import gain_cost_figure  # the plot names what it prices there: v(n) + b·n, not C(n)
+    names = {t.name for t in gain_cost_figure(h100).data}
+    assert "predicted v(n) + b·n" in names and "predicted C(n)" not in names
+    assert "predicted C(n)" in {t.name for t in gain_cost_figure(h200).data}
 
 
 def test_export_import_roundtrip_and_bad_files(tmp_path):
