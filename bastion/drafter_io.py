@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,11 +15,15 @@ from .files import staged_folder
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
-def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors (DFlash layout); written to a temp folder, then renamed."""
+def save_drafter(drafter: DFlashDrafter, folder, dtype: torch.dtype | None = None, carry: tuple[Path, ...] = ()) -> None:
+    """Write config.json + model.safetensors (DFlash layout); written to a temp folder, then renamed.
+    ``carry``: files copied into the folder beside them (``fit --export`` carries its ``--init``
+    folder's datastore, so an exported folder drafts with all three sources, as the shipped one)."""
     from safetensors.torch import save_file
 
     with staged_folder(Path(folder), ".drafter-") as tmp:
+        for path in carry:
+            shutil.copyfile(path, tmp / Path(path).name)
         state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous().cpu()
                  for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .drafter import DFlashDrafter
+from .datastore import FILE as DATASTORE_FILE
 from .drafter_io import load_drafter, save_drafter
 from .distill import live_features, make_batch, noisy_features, reveal_prefixes, train_step
 from .drafter_ops import build_draft_vocab, extend_features, grow_drafter, new_drafter, widen_features
@@ -243,6 +244,8 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
     if cfg.bf16 and not bf16:
         print("fit: training in float32: this CPU has no AMX, and without it bf16 autocast runs slower "
               "(~2x with AVX512-BF16, ~20x without)", file=sys.stderr)
+    # the exported folder keeps the --init folder's datastore: without it Bastion would lose a source
+    carry = tuple(p for p in [cfg.init / DATASTORE_FILE] if p.is_file()) if cfg.init and cfg.export else ()
     while step < cfg.steps and time.time() < deadline:
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step, time.time() - t0)
@@ -269,7 +272,7 @@ def fit(target: Target, data: list[Path], ckpt: Path, cfg: FitConfig) -> None:
             if cfg.draft_vocab:  # refitted only when asked for: an --init drafter keeps its own
                 _fit_vocab(drafter, records, cfg.draft_vocab, target.vocab_size, stops)
         if step % cfg.ckpt_every == 0 or step >= cfg.steps or time.time() >= deadline:
-            _checkpoint(ckpt, drafter, opt, step, log, rng, cfg.export)
+            _checkpoint(ckpt, drafter, opt, step, log, rng, cfg.export, carry)
     print(file=sys.stderr)
 
 
@@ -322,12 +325,12 @@ def _step(drafter: DFlashDrafter, target: Target, opt: torch.optim.Optimizer, cf
 
 
 def _checkpoint(ckpt: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer, step: int, log: list[dict],
-                rng: random.Random, export: Path | None) -> None:
+                rng: random.Random, export: Path | None, carry: tuple[Path, ...] = ()) -> None:
     """The atomic checkpoint (drafter, optimiser, batch stream, log), the log as JSON lines, and the
-    drafter folder (fp16) when ``export`` is set."""
+    drafter folder (fp16, with the ``carry`` files) when ``export`` is set."""
     atomic_save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                  "rng": rng.getstate()}, ckpt / "state.pt")
     (ckpt / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in log))
     if export:
-        save_drafter(drafter.eval(), export, dtype=torch.float16)
+        save_drafter(drafter.eval(), export, dtype=torch.float16, carry=carry)
         drafter.train()

@@ -363,6 +363,8 @@ def test_fit_grows_an_init_drafter_and_resumes_only_at_its_size(tmp_path, capsys
     assert "positive layer count" in capsys.readouterr().err
     fit = _two_step_fit_from_the_shipped_drafter(tmp_path)
     assert main(fit + ["--layers", "3"]) == 0
+    shipped_store = Path(fit[fit.index("--init") + 1]) / "datastore.safetensors"  # the export keeps the
+    assert (tmp_path / "drafter" / "datastore.safetensors").read_bytes() == shipped_store.read_bytes()  # init's
     grown = load_drafter(tmp_path / "drafter", 576, 49152, 30)
     assert grown.cfg.num_hidden_layers == 3 and grown.cfg.draft_vocab_size == 8192
     with pytest.raises(ValueError, match="resume with the --layers it was started with"):
