@@ -35,10 +35,12 @@ def make_replay(target: Target, out: Path, datastore: Path, n_seqs: int, batch: 
                 seed: int = 0, features: bool = True, newest: int = 0) -> None:
     """Feature shards for ``n_seqs`` replies of a stored datastore (a seeded sample; ``n_seqs`` ≤ 0:
     all of them; ``newest`` > 0 samples from the last ``newest`` stored replies only — ``--extend``
-    appends, so those are the ones added last, which earlier drafters may never have seen), for training on earlier data whose shards are gone: the datastore keeps every
-    reply's token ids (prompt included), so one forward per batch restores the features — no
-    generation. The prompt ends after the last assistant header (:func:`assistant_header`); replies
-    without one are skipped. ``features=False`` writes token ids only, without running the target
+    appends, so those are the ones added last, which earlier drafters may never have seen), for
+    training on earlier data whose shards are gone: the datastore keeps every reply's token ids
+    (prompt included), so one forward per batch restores the features — no generation. The target's
+    dtype is the forward's (``replay --dtype bfloat16``: ~3× faster with AMX). The prompt ends after
+    the last assistant header (:func:`assistant_header`); replies without one are skipped.
+    ``features=False`` writes token ids only, without running the target
     (seconds, a few MB: the input of ``fit --live-features`` on a GPU, ``scripts/gpu_payload.py``)."""
     from .datastore import Datastore
 
