@@ -46,6 +46,7 @@ import torch
 from .corpus import CORPORA
 from .drafter_config import spread_layer_ids
 from .drafter_ops import average_drafters
+from .datastore import FILE as DATASTORE_FILE
 from .fitting import FitConfig, bf16_is_fast, fit
 from .loading import EMBEDDED, checked_device, load_target
 from .refeature import make_features, make_replay
@@ -218,8 +219,8 @@ def _check_before_loading(ap: argparse.ArgumentParser, a: argparse.Namespace) ->
             ap.error(f"average: --out {a.out} is one of the inputs (it would be replaced)")
     if a.cmd == "replay" and (a.sequences < 0 or a.batch < 1 or a.newest < 0):
         ap.error("--sequences and --newest must be ≥ 0 (0 = all) and --batch positive")
-    if a.cmd == "replay" and not (a.datastore / "datastore.safetensors").is_file():
-        print(f"error: no datastore at {a.datastore / 'datastore.safetensors'}", file=sys.stderr)
+    if a.cmd == "replay" and not (a.datastore / DATASTORE_FILE).is_file():
+        print(f"error: no datastore at {a.datastore / DATASTORE_FILE}", file=sys.stderr)
         return 2
     if a.cmd == "features":
         if a.batch < 1:
